@@ -1,0 +1,1 @@
+"""draftsmith's application layer: one script per stage and the `draftsmith` CLI."""

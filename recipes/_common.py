@@ -1,0 +1,33 @@
+"""What every recipe's `main` shares: `--config FILE key=value ...` parsing and the
+one-line error contract (a `DraftsmithError` prints one line and exits 2)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+from trainer.config import load_config
+from trainer.errors import DraftsmithError
+
+
+def parse_args(schema, argv: list[str] | None, description: str):
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", help="a YAML under recipes/configs/ (optional: defaults + overrides work too)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. output_dir=runs/x max_length=1024")
+    args = parser.parse_args(argv)
+    return load_config(schema, args.config, args.overrides)
+
+
+def one_line_errors(fn):
+    """Run `fn`; a DraftsmithError becomes `error: <message>` on stderr and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DraftsmithError as err:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    return wrapper

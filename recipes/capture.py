@@ -1,0 +1,200 @@
+"""Capture multi-layer hidden states of the frozen target over prepared chat data.
+
+    python recipes/capture.py --config recipes/configs/smollm2-135m/capture.yaml
+    accelerate launch --num_processes 2 recipes/capture.py --config ...   (data-parallel)
+
+Shard k holds samples [k*S, (k+1)*S) and is computed by rank k % world_size, so
+the shards do not depend on the number of processes. A killed capture restarts
+where it stopped (complete shards are kept, checked by sha256) and ends with the
+same shards as an uninterrupted run. The draft vocabulary (d2t/t2d) is built
+from the loss-masked tokens of the captured samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from recipes._common import one_line_errors, parse_args
+from trainer.capture import capture_batch, right_pad, token_budget_batches
+from trainer.config import CaptureConfig, to_yaml
+from trainer.data.prepared import load_prepared
+from trainer.data.shards import (
+    DRAFT_VOCAB, FORMAT, MANIFEST, completed_shard, pack_samples, shard_name, write_shard,
+)
+from trainer.data.vocab import build_draft_vocab, coverage, token_counts
+from trainer.errors import DataError, DraftsmithError
+from trainer.io import atomic_save_safetensors, atomic_write_json, write_run_files
+from trainer.target import LAYER_ID_CONVENTION, load_target, parse_dtype
+
+STATE = "capture_state.json"
+# Test hook: exit abruptly (as a kill would) after this many batches in this process.
+FAULT_ENV = "DRAFTSMITH_FAULT_CAPTURE_AFTER_BATCHES"
+
+
+def _open_output(out: Path, cfg: CaptureConfig, fingerprint: dict) -> None:
+    """Make `out` ready: new, emptied (overwrite) or a capture of this config to resume."""
+    state_file = out / STATE
+    if out.exists() and cfg.overwrite:
+        shutil.rmtree(out)
+    if out.exists():
+        if not state_file.is_file():
+            raise DraftsmithError(f"output_dir '{out}' exists and is not a capture; pass overwrite=true to replace it")
+        previous = json.loads(state_file.read_text())
+        if not cfg.resume:
+            raise DraftsmithError(f"output_dir '{out}' holds a capture; pass resume=true to continue it "
+                                  "or overwrite=true to start again")
+        if previous != fingerprint:
+            changed = sorted(k for k in {*previous, *fingerprint} if previous.get(k) != fingerprint.get(k))
+            raise DraftsmithError(f"output_dir '{out}' holds a capture made with other settings ({', '.join(changed)}); "
+                                  "use another output_dir or overwrite=true")
+        for stale in out.glob(".*.tmp"):  # partial writes of a killed run
+            stale.unlink()
+        return
+    out.mkdir(parents=True)
+    atomic_write_json(state_file, fingerprint)
+
+
+def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
+    from accelerate import PartialState
+
+    state = PartialState()
+    if state.device.type == "cpu" and state.num_processes > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // state.num_processes))
+    out = Path(cfg.output_dir)
+    ds, prepared = load_prepared(cfg.data)
+    target = load_target(cfg.target, cfg.target_dtype, state.device)
+    if prepared["target_sha256"] != target.content_hash:
+        raise DataError(f"'{cfg.data}' was prepared with target {prepared['target']} ({prepared['target_sha256'][:12]}), "
+                        f"not {target.name} ({target.content_hash[:12]}); re-run prepare with this target")
+    layer_ids = list(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else target.default_aux_layer_ids()
+    target.check_layer_ids(layer_ids)
+    n = min(len(ds), cfg.max_samples or len(ds))
+    fingerprint = {
+        "target_sha256": target.content_hash, "data_summary_sha256": hashlib.sha256(
+            (Path(cfg.data) / "summary.json").read_bytes()).hexdigest(),
+        "aux_layer_ids": layer_ids, "target_dtype": cfg.target_dtype, "store_dtype": cfg.store_dtype,
+        "samples": n, "samples_per_shard": cfg.samples_per_shard, "max_tokens_per_batch": cfg.max_tokens_per_batch,
+        "draft_vocab_size": cfg.draft_vocab_size,
+    }
+    if state.is_main_process:
+        _open_output(out, cfg, fingerprint)
+    state.wait_for_everyone()
+    done = (out / MANIFEST).is_file()
+
+    store_dtype = parse_dtype(cfg.store_dtype)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    num_shards = math.ceil(n / cfg.samples_per_shard)
+    todo = [] if done else [k for k in range(state.process_index, num_shards, state.num_processes)
+                            if completed_shard(out, k) is None]
+    rows = {k: range(k * cfg.samples_per_shard, min((k + 1) * cfg.samples_per_shard, n)) for k in todo}
+    lengths = list(ds.select(range(n))["length"])
+    total = sum(lengths[i] for k in todo for i in rows[k])
+    fault_after = int(os.environ.get(FAULT_ENV, "0"))
+    batches_run, tokens_done, t0 = 0, 0, time.perf_counter()
+    with tqdm(total=total, unit="tok", unit_scale=True, desc=f"capture[{state.process_index}]",
+              disable=not state.is_local_main_process) as bar:
+        for k in todo:
+            shard = ds.select(rows[k])
+            ids, masks = shard["input_ids"], shard["loss_mask"]
+            samples: list[dict | None] = [None] * len(ids)
+            for batch in token_budget_batches([len(x) for x in ids], cfg.max_tokens_per_batch):
+                input_ids, attention_mask = right_pad([ids[i] for i in batch], pad)  # [B, T]
+                states = capture_batch(target, input_ids, attention_mask, layer_ids, store_dtype)
+                aux, last = states["aux_hidden_states"].cpu(), states["last_hidden_state"].cpu()
+                for r, i in enumerate(batch):
+                    T = len(ids[i])
+                    samples[i] = {"input_ids": torch.tensor(ids[i]), "loss_mask": torch.tensor(masks[i]),
+                                  "aux_hidden_states": aux[r, :T], "last_hidden_state": last[r, :T]}
+                    tokens_done += T
+                    bar.update(T)
+                batches_run += 1
+                if fault_after and batches_run >= fault_after:
+                    os._exit(17)  # simulated kill, mid-shard
+            write_shard(out, k, pack_samples(samples, list(rows[k])))
+    elapsed = time.perf_counter() - t0
+    state.wait_for_everyone()
+
+    if state.is_main_process and not done:
+        entries = []
+        for k in range(num_shards):
+            entry = completed_shard(out, k)
+            if entry is None:
+                raise DataError(f"capture '{out}': shard {shard_name(k)} is missing or corrupt after the run")
+            entries.append(entry)
+        counts = sum(token_counts(b["input_ids"], b["loss_mask"], target.vocab_size)
+                     for b in ds.select(range(n)).iter(batch_size=1024))
+        d2t, t2d = build_draft_vocab(counts, min(cfg.draft_vocab_size, target.vocab_size))
+        atomic_save_safetensors(out / DRAFT_VOCAB, {"d2t": d2t, "t2d": t2d, "counts": counts})
+        tokens = sum(e["tokens"] for e in entries)
+        width = len(layer_ids) * target.hidden_size + target.hidden_size
+        manifest = {
+            "format": FORMAT,
+            "target": {"name": target.name, "path": target.path, "sha256": target.content_hash,
+                       "num_layers": target.num_layers, "hidden_size": target.hidden_size,
+                       "vocab_size": target.vocab_size, "dtype": cfg.target_dtype},
+            "layer_id_convention": LAYER_ID_CONVENTION,
+            "aux_layer_ids": layer_ids,
+            "store_dtype": cfg.store_dtype,
+            "data": {"path": str(cfg.data), "source": prepared["source"], "regenerated": prepared["regenerated"],
+                     "chat_template_sha256": prepared["chat_template_sha256"]},
+            "samples": n, "tokens": tokens, "loss_tokens": sum(e["loss_tokens"] for e in entries),
+            "bytes_per_token": {
+                "on_disk": sum(e["bytes"] for e in entries) / tokens,
+                # hidden states (L*H + H) in store dtype, int32 id, uint8 mask
+                "expected": width * torch.finfo(store_dtype).bits / 8 + 4 + 1,
+            },
+            "draft_vocab": {"file": DRAFT_VOCAB, "size": int(d2t.numel()), "coverage": coverage(counts, t2d)},
+            "shards": entries,
+        }
+        write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
+                                            "seed": cfg.seed, "world_size": state.num_processes}, argv)
+        atomic_write_json(out / MANIFEST, manifest)  # last: its presence marks the capture complete
+    state.wait_for_everyone()
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["run"] = {"already_complete": done, "tokens_this_process": tokens_done, "seconds": elapsed,
+                       "tokens_per_s": tokens_done / elapsed if elapsed > 0 else 0.0}
+    return manifest
+
+
+def format_summary(m: dict) -> str:
+    bpt = m["bytes_per_token"]
+    run = m.get("run", {})
+    lines = [
+        f"captured {m['samples']} samples, {m['tokens']:,} tokens ({m['loss_tokens']:,} loss-masked) "
+        f"in {len(m['shards'])} shard(s) from {m['target']['name']}",
+        f"  aux layer ids {m['aux_layer_ids']} ({m['layer_id_convention'].split(' ')[0]}), "
+        f"H={m['target']['hidden_size']}, stored {m['store_dtype']}",
+        f"  bytes/token on disk {bpt['on_disk']:.1f} (expected {bpt['expected']:.1f})",
+        f"  draft vocab: {m['draft_vocab']['size']} tokens cover {100 * m['draft_vocab']['coverage']:.2f}% "
+        "of loss-masked tokens",
+    ]
+    if run.get("already_complete"):
+        lines.append("  (already complete: nothing to do)")
+    elif run:
+        lines.append(f"  throughput {run['tokens_per_s']:,.0f} tokens/s (this process)")
+    return "\n".join(lines)
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> None:
+    from accelerate import PartialState
+
+    cfg = parse_args(CaptureConfig, argv, __doc__.splitlines()[0])
+    manifest = run(cfg, argv)
+    if PartialState().is_main_process:
+        print(format_summary(manifest))
+        print(f"  written to {cfg.output_dir}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

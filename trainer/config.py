@@ -1,0 +1,209 @@
+"""Typed run configs: dataclass defaults <- YAML file <- `key=value` overrides.
+
+One dataclass schema per recipe (see `SCHEMAS`). OmegaConf structured configs do
+the merging and type checks; this module turns their exceptions into one line
+that names the key and says how to fix it: unknown keys get a "did you mean"
+suggestion, wrong types name the expected type, missing required fields are
+listed. Cross-field checks live in each schema's `validate()` method and run at
+load time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.errors import ConfigError
+
+__all__ = ["MISSING", "load_config", "to_yaml", "ConfigError"]
+
+T = TypeVar("T")
+
+
+def _field_types(schema: type) -> dict[str, Any]:
+    return {f.name: f for f in dataclasses.fields(schema)}
+
+
+def _nested_schema(f: dataclasses.Field) -> type | None:
+    t = f.type
+    if isinstance(t, str):  # postponed annotations: resolve through the default
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        return type(default) if dataclasses.is_dataclass(default) else None
+    return t if dataclasses.is_dataclass(t) else None
+
+
+def _check_keys(schema: type, data: Any, where: str, prefix: str = "") -> None:
+    """Reject keys the schema does not have, with the closest valid key as a hint."""
+    if not isinstance(data, dict):
+        return
+    fields = _field_types(schema)
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(fields))}"
+            raise ConfigError(f"{where}: unknown key '{full}' for {schema.__name__}{hint}")
+        sub = _nested_schema(fields[key])
+        if sub is not None:
+            _check_keys(sub, value, where, prefix=f"{full}.")
+
+
+def _parse_overrides(overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not key=value (e.g. batch_size=8 or capture.dtype=bf16)")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"overrides {overrides}: {err.msg if hasattr(err, 'msg') else err}") from None
+
+
+def _merge(base: DictConfig, data: dict, where: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, data)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        msg = str(getattr(err, "msg", err)).splitlines()[0]
+        raise ConfigError(f"{where}: key '{key}': {msg}") from None
+
+
+def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Build a `schema` instance from its defaults, an optional YAML file and overrides."""
+    cfg: DictConfig = OmegaConf.structured(schema)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' not found; pass an existing YAML (see recipes/configs/)")
+        try:
+            data = OmegaConf.to_container(OmegaConf.load(path)) or {}
+        except Exception as err:  # yaml.YAMLError and friends
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"config file '{path}' is not valid YAML: {first}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of keys, not {type(data).__name__}")
+        _check_keys(schema, data, str(path))
+        cfg = _merge(cfg, data, str(path))
+    if overrides:
+        data = _parse_overrides(overrides)
+        _check_keys(schema, data, "override")
+        cfg = _merge(cfg, data, "override")
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        where = f" in '{path}'" if path is not None else ""
+        raise ConfigError(
+            f"required key(s) {', '.join(missing)} not set{where}; set them in the YAML or as key=value overrides"
+        )
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{getattr(err, 'full_key', '?')}: {getattr(err, 'msg', err)}") from None
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        validate()
+    return obj  # type: ignore[return-value]
+
+
+def to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML (written beside every stage's output)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+# ---------------------------------------------------------------------------
+# Schemas: one per recipe. Every default lives here, once.
+# ---------------------------------------------------------------------------
+from dataclasses import dataclass, field  # noqa: E402
+from typing import List, Optional  # noqa: E402,UP035  (OmegaConf needs typing generics)
+
+from trainer.target import DEFAULT_TARGET  # noqa: E402
+
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class RegenerateConfig:
+    """Replace assistant turns with the target's own answers (drafts trained on the
+    target's outputs accept more: EAGLE-3 paper, §4; SpecForge's regenerate step)."""
+
+    enabled: bool = False
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    batch_size: int = 8
+
+
+@dataclass
+class PrepareConfig:
+    output_dir: str = MISSING
+    target: str = DEFAULT_TARGET  # embedded alias, HF dir or .gguf: its tokenizer and chat template are used
+    source: str = "sharegpt"  # sharegpt | mtbench-chats | PATH.json | PATH.jsonl (ShareGPT or "messages" records)
+    max_records: Optional[int] = None  # read at most this many records from the source
+    max_length: int = 2048  # tokens; longer conversations are skipped (reason too_long)
+    strict: bool = False  # stop at the first bad record instead of skipping it
+    num_proc: int = 1  # datasets.map workers for tokenization
+    chat_template: Optional[str] = None  # a Jinja template to use instead of the target's
+    seed: int = 0
+    overwrite: bool = False
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+
+    def validate(self) -> None:
+        if self.max_length < 8:
+            raise ConfigError(f"max_length={self.max_length} is too small; use at least 8 tokens")
+        if self.max_records is not None and self.max_records < 1:
+            raise ConfigError("max_records must be >= 1 (or null for all records)")
+        if self.num_proc < 1:
+            raise ConfigError("num_proc must be >= 1")
+        if self.regenerate.temperature < 0 or not 0 < self.regenerate.top_p <= 1:
+            raise ConfigError("regenerate.temperature must be >= 0 and regenerate.top_p in (0, 1]")
+
+
+@dataclass
+class CaptureConfig:
+    data: str = MISSING  # a `prepare` output directory
+    output_dir: str = MISSING
+    target: str = DEFAULT_TARGET
+    # vLLM convention: id i = residual entering layer i (HF hidden_states[i]); null -> (2, L//2, L-3).
+    aux_layer_ids: Optional[List[int]] = None
+    target_dtype: str = "float32"  # the dtype the target runs in
+    store_dtype: str = "bfloat16"  # the dtype hidden states are stored in
+    max_samples: Optional[int] = None
+    samples_per_shard: int = 256
+    max_tokens_per_batch: int = 4096  # padded tokens per forward
+    draft_vocab_size: int = 32000  # Vd: the top-Vd loss-masked tokens (EAGLE-3 uses 32000)
+    resume: bool = True  # continue a partial capture of the same config in output_dir
+    overwrite: bool = False
+    seed: int = 0
+
+    def validate(self) -> None:
+        for key in ("target_dtype", "store_dtype"):
+            if getattr(self, key) not in _DTYPE_NAMES:
+                raise ConfigError(f"{key}={getattr(self, key)!r}; use one of {', '.join(_DTYPE_NAMES)}")
+        if self.samples_per_shard < 1 or self.max_tokens_per_batch < 1 or self.draft_vocab_size < 1:
+            raise ConfigError("samples_per_shard, max_tokens_per_batch and draft_vocab_size must be >= 1")
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) == 0:
+            raise ConfigError("aux_layer_ids is empty; list at least one layer id or null for the default")
+
+
+@dataclass
+class DemoConfig:
+    """prepare -> capture on the embedded target. `target` applies to every stage."""
+
+    output_dir: str = "runs/demo"
+    target: str = DEFAULT_TARGET
+    overwrite: bool = False
+    prepare: PrepareConfig = field(default_factory=lambda: PrepareConfig(output_dir="(set by the demo)"))
+    capture: CaptureConfig = field(
+        default_factory=lambda: CaptureConfig(data="(set by the demo)", output_dir="(set by the demo)")
+    )
+
+    def validate(self) -> None:
+        self.prepare.validate()
+        self.capture.validate()
+
+
+SCHEMAS = {"prepare": PrepareConfig, "capture": CaptureConfig, "demo": DemoConfig}

