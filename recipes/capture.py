@@ -29,9 +29,16 @@ from trainer.capture import capture_batch, right_pad, token_budget_batches
 from trainer.config import CaptureConfig, to_yaml
 from trainer.data.prepared import load_prepared
 from trainer.data.shards import (
-    DRAFT_VOCAB, FORMAT, MANIFEST, completed_shard, pack_samples, shard_name, write_shard,
+    DRAFT_VOCAB,
+    FORMAT,
+    MANIFEST,
+    completed_shard,
+    pack_samples,
+    shard_name,
+    write_shard,
 )
 from trainer.data.vocab import build_draft_vocab, coverage, token_counts
+from trainer.dist import process_state
 from trainer.errors import DataError, DraftsmithError
 from trainer.io import atomic_save_safetensors, atomic_write_json, write_run_files
 from trainer.target import LAYER_ID_CONVENTION, load_target, parse_dtype
@@ -65,11 +72,7 @@ def _open_output(out: Path, cfg: CaptureConfig, fingerprint: dict) -> None:
 
 
 def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
-    from accelerate import PartialState
-
-    state = PartialState()
-    if state.device.type == "cpu" and state.num_processes > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // state.num_processes))
+    state = process_state()
     out = Path(cfg.output_dir)
     ds, prepared = load_prepared(cfg.data)
     target = load_target(cfg.target, cfg.target_dtype, state.device)
@@ -187,11 +190,9 @@ def format_summary(m: dict) -> str:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
-    from accelerate import PartialState
-
     cfg = parse_args(CaptureConfig, argv, __doc__.splitlines()[0])
     manifest = run(cfg, argv)
-    if PartialState().is_main_process:
+    if process_state().is_main_process:
         print(format_summary(manifest))
         print(f"  written to {cfg.output_dir}")
 

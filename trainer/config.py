@@ -117,7 +117,6 @@ def to_yaml(cfg: Any) -> str:
 # Schemas: one per recipe. Every default lives here, once.
 # ---------------------------------------------------------------------------
 from dataclasses import dataclass, field  # noqa: E402
-from typing import List, Optional  # noqa: E402,UP035  (OmegaConf needs typing generics)
 
 from trainer.target import DEFAULT_TARGET  # noqa: E402
 
@@ -142,11 +141,11 @@ class PrepareConfig:
     output_dir: str = MISSING
     target: str = DEFAULT_TARGET  # embedded alias, HF dir or .gguf: its tokenizer and chat template are used
     source: str = "sharegpt"  # sharegpt | mtbench-chats | PATH.json | PATH.jsonl (ShareGPT or "messages" records)
-    max_records: Optional[int] = None  # read at most this many records from the source
+    max_records: int | None = None  # read at most this many records from the source
     max_length: int = 2048  # tokens; longer conversations are skipped (reason too_long)
     strict: bool = False  # stop at the first bad record instead of skipping it
     num_proc: int = 1  # datasets.map workers for tokenization
-    chat_template: Optional[str] = None  # a Jinja template to use instead of the target's
+    chat_template: str | None = None  # a Jinja template to use instead of the target's
     seed: int = 0
     overwrite: bool = False
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
@@ -168,10 +167,10 @@ class CaptureConfig:
     output_dir: str = MISSING
     target: str = DEFAULT_TARGET
     # vLLM convention: id i = residual entering layer i (HF hidden_states[i]); null -> (2, L//2, L-3).
-    aux_layer_ids: Optional[List[int]] = None
+    aux_layer_ids: list[int] | None = None
     target_dtype: str = "float32"  # the dtype the target runs in
     store_dtype: str = "bfloat16"  # the dtype hidden states are stored in
-    max_samples: Optional[int] = None
+    max_samples: int | None = None
     samples_per_shard: int = 256
     max_tokens_per_batch: int = 4096  # padded tokens per forward
     draft_vocab_size: int = 32000  # Vd: the top-Vd loss-masked tokens (EAGLE-3 uses 32000)

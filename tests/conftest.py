@@ -1,0 +1,105 @@
+"""Shared fixtures: a tiny tokenizer and a tiny random Llama target, built in-process
+(no downloads), and the real SmolLM2 target for the slow end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Speculative decoding drafts tokens and the target verifies them.",
+    "What is the capital of France? Paris is the capital of France.", "Hello! How can I help you today?",
+    "def add(a, b):\n    return a + b\n", "1 2 3 4 5 6 7 8 9 10 tokens per second", "user assistant system",
+]
+
+
+def make_tiny_tokenizer(chat_template: str = CHATML):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = chat_template
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tiny_tokenizer()
+
+
+def make_tiny_model(vocab_size: int, seed: int = 0, num_layers: int = 4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """An HF directory holding a 4-layer random Llama and the tiny tokenizer."""
+    d = tmp_path_factory.mktemp("tiny-target")
+    make_tiny_model(len(tiny_tokenizer)).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_target_dir):
+    from trainer.target import load_target
+
+    return load_target(str(tiny_target_dir))
+
+
+GOOD_CHATS = [
+    {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                  {"role": "assistant", "content": "Paris is the capital of France."}]},
+    {"conversations": [{"from": "human", "value": "Hello!"}, {"from": "gpt", "value": "How can I help you today?"},
+                       {"from": "human", "value": "Add two numbers."},
+                       {"from": "gpt", "value": "def add(a, b):\n    return a + b\n"}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to five."},
+                  {"role": "assistant", "content": "1 2 3 4 5"}]},
+    {"messages": [{"role": "user", "content": "The quick brown fox?"},
+                  {"role": "assistant", "content": "jumps over the lazy dog."}]},
+]
+
+
+def write_jsonl(path: Path, records) -> Path:
+    with open(path, "w") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+@pytest.fixture
+def good_chats_jsonl(tmp_path) -> Path:
+    # 12 records: enough for several capture shards of 4 samples
+    return write_jsonl(tmp_path / "chats.jsonl", GOOD_CHATS * 3)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded target (converted once from the packaged GGUF into the cache)."""
+    from trainer.target import load_target
+
+    return load_target("smollm2-135m-instruct")

@@ -1,0 +1,144 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from recipes import capture, prepare
+from tests.conftest import REPO
+from trainer.capture import capture_batch, right_pad, token_budget_batches
+from trainer.config import CaptureConfig, PrepareConfig
+from trainer.data.shards import CaptureReader, verify_capture
+from trainer.errors import DraftsmithError
+
+
+@pytest.fixture
+def prepared(tmp_path, tiny_target_dir, good_chats_jsonl):
+    out = tmp_path / "prepared"
+    prepare.run(PrepareConfig(output_dir=str(out), target=str(tiny_target_dir), source=str(good_chats_jsonl),
+                              max_length=256))
+    return out
+
+
+def _cfg(prepared, out, target_dir, **kw):
+    kw = {"samples_per_shard": 4, "max_tokens_per_batch": 96, "draft_vocab_size": 64, **kw}
+    return CaptureConfig(data=str(prepared), output_dir=str(out), target=str(target_dir), **kw)
+
+
+def _shard_hashes(out):
+    return {e["file"]: e["sha256"] for e in json.loads((out / "manifest.json").read_text())["shards"]}
+
+
+def test_shards_hold_the_targets_states(tmp_path, prepared, tiny_target_dir, tiny_target):
+    m = capture.run(_cfg(prepared, tmp_path / "cap", tiny_target_dir, store_dtype="float32"))
+    assert m["samples"] == 12 and len(m["shards"]) == 3
+    assert m["aux_layer_ids"] == [2, 2, 1]  # (2, L//2, L-3) for L=4
+    assert m["layer_id_convention"].startswith("vllm:entering-layer")
+    reader = CaptureReader(tmp_path / "cap")
+    assert len(reader) == 12
+    H = tiny_target.hidden_size
+    for i in (0, 5, 11):
+        s = reader[i]
+        out = tiny_target.forward(s["input_ids"].long()[None], aux_layer_ids=[2, 2, 1])
+        torch.testing.assert_close(s["aux_hidden_states"], out.aux_hidden_states[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(s["last_hidden_state"], out.last_hidden_state[0], atol=1e-5, rtol=1e-4)
+        assert s["aux_hidden_states"].shape == (len(s["input_ids"]), 3 * H)
+        # the captured pre-norm state recomputes the target's logits
+        torch.testing.assert_close(tiny_target.logits_from_last_hidden(s["last_hidden_state"]), out.logits[0],
+                                   atol=1e-4, rtol=1e-4)
+    verify_capture(tmp_path / "cap")
+    assert m["bytes_per_token"]["on_disk"] == pytest.approx(m["bytes_per_token"]["expected"], rel=0.02)
+
+
+def test_draft_vocab_is_the_most_frequent_assistant_tokens(tmp_path, prepared, tiny_target_dir):
+    capture.run(_cfg(prepared, tmp_path / "cap", tiny_target_dir, draft_vocab_size=16))
+    v = load_file(tmp_path / "cap" / "draft_vocab.safetensors")
+    d2t, t2d, counts = v["d2t"], v["t2d"], v["counts"]
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and d2t.numel() == 16 and int(t2d.sum()) == 16
+    target_ids = torch.arange(16) + d2t  # target_id = draft_id + d2t[draft_id]
+    assert torch.equal(target_ids, torch.nonzero(t2d).flatten())
+    assert int(counts[target_ids].min()) >= int(counts[~t2d].max())  # nothing left out is more frequent
+
+
+def test_online_states_equal_the_shards(tmp_path, prepared, tiny_target_dir, tiny_target):
+    capture.run(_cfg(prepared, tmp_path / "cap", tiny_target_dir))
+    reader = CaptureReader(tmp_path / "cap")
+    seqs = [reader[i]["input_ids"].tolist() for i in range(4)]
+    ids, mask = right_pad(seqs, 0)
+    online = capture_batch(tiny_target, ids, mask, [2, 2, 1], torch.bfloat16)
+    for r in range(4):
+        T = len(seqs[r])
+        torch.testing.assert_close(online["aux_hidden_states"][r, :T], reader[r]["aux_hidden_states"],
+                                   atol=1e-2, rtol=1e-2)
+
+
+def test_token_budget_batches_cover_every_sample_once():
+    lengths = [5, 40, 7, 40, 3, 100, 8]
+    batches = token_budget_batches(lengths, 80)
+    assert sorted(i for b in batches for i in b) == list(range(7))
+    assert all(len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 80 for b in batches)
+    assert batches == token_budget_batches(lengths, 80)
+
+
+def test_refuses_data_prepared_for_another_target(tmp_path, prepared):
+    from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+    other = tmp_path / "other"
+    tok = make_tiny_tokenizer()
+    make_tiny_model(len(tok), seed=1).save_pretrained(other)
+    tok.save_pretrained(other)
+    with pytest.raises(DraftsmithError, match="was prepared with target .* re-run prepare with this target"):
+        capture.run(_cfg(prepared, tmp_path / "cap", other))
+
+
+def test_existing_output_rules(tmp_path, prepared, tiny_target_dir):
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(DraftsmithError, match="exists and is not a capture"):
+        capture.run(_cfg(prepared, tmp_path / "junk", tiny_target_dir))
+    capture.run(_cfg(prepared, tmp_path / "cap", tiny_target_dir))
+    again = capture.run(_cfg(prepared, tmp_path / "cap", tiny_target_dir))
+    assert again["run"]["already_complete"]
+    with pytest.raises(DraftsmithError, match=r"made with other settings \(aux_layer_ids\)"):
+        capture.run(_cfg(prepared, tmp_path / "cap", tiny_target_dir, aux_layer_ids=[1, 3]))
+
+
+def _run_capture(args, env_extra=None, launcher=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    cmd = (launcher or [sys.executable]) + [str(REPO / "recipes" / "capture.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+
+
+def test_killed_capture_resumes_to_identical_shards(tmp_path, prepared, tiny_target_dir):
+    args = [f"data={prepared}", f"target={tiny_target_dir}", "samples_per_shard=4", "max_tokens_per_batch=96",
+            "draft_vocab_size=64"]
+    ref = _run_capture([*args, f"output_dir={tmp_path}/ref"])
+    assert ref.returncode == 0, ref.stderr
+    # Kill mid-shard: 12 samples of ~25-60 tokens in batches of <=96 padded tokens -> several batches a shard.
+    killed = _run_capture([*args, f"output_dir={tmp_path}/cut"], {capture.FAULT_ENV: "4"})
+    assert killed.returncode == 17, killed.stderr
+    assert not (tmp_path / "cut" / "manifest.json").exists()
+    done_before = sorted(p.name for p in (tmp_path / "cut").glob("shard-*.json"))
+    assert 0 < len(done_before) < 3, done_before  # killed with some, not all, shards complete
+    resumed = _run_capture([*args, f"output_dir={tmp_path}/cut"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert _shard_hashes(tmp_path / "cut") == _shard_hashes(tmp_path / "ref")
+    a = json.loads((tmp_path / "ref" / "manifest.json").read_text())
+    b = json.loads((tmp_path / "cut" / "manifest.json").read_text())
+    assert a == b
+
+
+def test_data_parallel_capture_under_accelerate_launch(tmp_path, prepared, tiny_target_dir):
+    args = [f"data={prepared}", f"target={tiny_target_dir}", "samples_per_shard=4", "max_tokens_per_batch=96",
+            "draft_vocab_size=64"]
+    single = _run_capture([*args, f"output_dir={tmp_path}/one"])
+    assert single.returncode == 0, single.stderr
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    two = _run_capture([*args, f"output_dir={tmp_path}/two"], {"ACCELERATE_USE_CPU": "true"}, launcher=accelerate)
+    assert two.returncode == 0, two.stderr
+    prov = json.loads((tmp_path / "two" / "provenance.json").read_text())
+    assert prov["world_size"] == 2  # `--cpu --num_processes 2` would silently run one process
+    assert _shard_hashes(tmp_path / "two") == _shard_hashes(tmp_path / "one")

@@ -1,0 +1,85 @@
+import pytest
+
+from tests.conftest import CHATML, make_tiny_tokenizer
+from trainer.data.chat import BadRecord, normalize, tokenize_chat
+
+# A second, differently shaped template (Llama-3 style headers, no system default,
+# end-of-turn inside the header scheme) to show the span logic is template-agnostic.
+LLAMA3_STYLE = (
+    "{{ '<|endoftext|>' }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '<|im_end|>\n\n'"
+    " + message['content'] | trim + '<|im_end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_end|>\n\n' }}{% endif %}"
+)
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris is the capital of France."},
+    {"role": "user", "content": "Hello!"},
+    {"role": "assistant", "content": "How can I help you today?"},
+]
+
+
+def _masked_text(tok, t):
+    """Decoded runs of masked tokens."""
+    runs, cur = [], []
+    for i, m in zip(t.input_ids, t.loss_mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    if cur:
+        runs.append(tok.decode(cur))
+    return runs
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA3_STYLE], ids=["chatml", "llama3-style"])
+def test_loss_mask_is_exactly_the_assistant_turns(template):
+    tok = make_tiny_tokenizer(template)
+    t = tokenize_chat(tok, CHAT, max_length=512)
+    assert len(t.input_ids) == len(t.loss_mask)
+    assert _masked_text(tok, t) == ["Paris is the capital of France.<|im_end|>",
+                                    "How can I help you today?<|im_end|>"]
+    # the rendered prompt is unchanged by tokenization: ids decode to the template's text
+    assert tok.decode(t.input_ids) == tok.apply_chat_template(CHAT, tokenize=False)
+
+
+def test_too_long_is_a_bad_record(tiny_tokenizer):
+    with pytest.raises(BadRecord) as err:
+        tokenize_chat(tiny_tokenizer, CHAT, max_length=10)
+    assert err.value.reason == "too_long"
+
+
+@pytest.mark.parametrize("record, reason", [
+    ({"conversations": []}, "empty"),
+    ({"id": "x"}, "empty"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "unknown_role"),
+    ({"messages": [{"role": "user", "content": ["a", "list"]}]}, "non_string_content"),
+    ({"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "yo"}]}, "leading_assistant"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                   {"role": "assistant", "content": "c"}]}, "non_alternating"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                   {"role": "system", "content": "late"}]}, "non_alternating"),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, "no_assistant"),
+    ({"__invalid_json__": "line 3: Expecting value"}, "invalid_json"),
+])
+def test_bad_records_are_named_by_reason(record, reason):
+    with pytest.raises(BadRecord) as err:
+        normalize(record)
+    assert err.value.reason == reason
+
+
+def test_sharegpt_roles_and_trailing_user_turn():
+    m = normalize({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
+                                     {"from": "human", "value": "unanswered"}]})
+    assert m == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+@pytest.mark.slow
+def test_smollm2_template_mask(smollm2):
+    tok = smollm2.tokenizer
+    t = tokenize_chat(tok, CHAT[1:], max_length=512)
+    # SmolLM2 adds its default system prompt; only the answers (and <|im_end|>) are masked.
+    assert _masked_text(tok, t) == ["Paris is the capital of France.<|im_end|>",
+                                    "How can I help you today?<|im_end|>"]

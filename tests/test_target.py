@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from trainer.errors import TargetError
+from trainer.target import (
+    Target,
+    default_eagle3_layer_ids,
+    entering_to_output,
+    load_target,
+    output_to_entering,
+    resolve_target,
+)
+
+
+def _hf_hidden_states(target, ids):
+    with torch.no_grad():
+        return target.model(ids, output_hidden_states=True)
+
+
+def test_aux_states_are_hf_hidden_states_entering_each_layer(tiny_target):
+    ids = torch.randint(3, tiny_target.vocab_size, (2, 11))
+    ref = _hf_hidden_states(tiny_target, ids)
+    L = tiny_target.num_layers
+    out = tiny_target.forward(ids, aux_layer_ids=[0, 1, L - 1])
+    H = tiny_target.hidden_size
+    for k, i in enumerate([0, 1, L - 1]):  # vLLM convention: entering layer i = HF hidden_states[i]
+        torch.testing.assert_close(out.aux_hidden_states[..., k * H:(k + 1) * H], ref.hidden_states[i])
+    torch.testing.assert_close(out.logits, ref.logits)
+
+
+def test_last_layer_is_never_taken_after_the_final_norm(tiny_target):
+    ids = torch.randint(3, tiny_target.vocab_size, (1, 9))
+    ref = _hf_hidden_states(tiny_target, ids)
+    L = tiny_target.num_layers
+    out = tiny_target.forward(ids, aux_layer_ids=[L])
+    # HF's last entry is normed; ours is the residual stream leaving the last layer.
+    assert not torch.allclose(out.last_hidden_state, ref.hidden_states[L], atol=1e-3)
+    torch.testing.assert_close(tiny_target.backbone.norm(out.last_hidden_state), ref.hidden_states[L])
+    torch.testing.assert_close(out.aux_hidden_states, out.last_hidden_state)  # id L is the pre-norm output
+    torch.testing.assert_close(tiny_target.logits_from_last_hidden(out.last_hidden_state), ref.logits)
+
+
+def test_target_is_frozen_and_in_eval_mode(tiny_target):
+    assert not tiny_target.model.training
+    assert not any(p.requires_grad for p in tiny_target.model.parameters())
+
+
+def test_layer_id_conventions():
+    assert default_eagle3_layer_ids(30) == [2, 15, 27]
+    assert default_eagle3_layer_ids(32) == [2, 16, 29]  # Llama-3.1-8B, as vLLM computes it
+    assert output_to_entering(1) == 2 and entering_to_output(2) == 1
+    with pytest.raises(ValueError):
+        entering_to_output(0)
+
+
+def test_out_of_range_layer_ids_are_one_clear_error(tiny_target):
+    with pytest.raises(TargetError, match=r"valid ids are 0..4"):
+        tiny_target.forward(torch.ones(1, 3, dtype=torch.long), aux_layer_ids=[5])
+
+
+def test_unknown_target_spec_is_one_clear_error(tmp_path):
+    with pytest.raises(TargetError, match="neither an embedded alias"):
+        resolve_target(str(tmp_path / "nope"))
+
+
+def test_dtype_choice(tiny_target_dir):
+    t = load_target(str(tiny_target_dir), dtype="bfloat16")
+    assert isinstance(t, Target) and t.dtype == torch.bfloat16
+    assert len(t.content_hash) == 64
+
+
+@pytest.mark.slow
+def test_smollm2_embedded_target_loads_from_the_package(smollm2):
+    assert (smollm2.num_layers, smollm2.hidden_size, smollm2.vocab_size) == (30, 576, 49152)
+    assert smollm2.default_aux_layer_ids() == [2, 15, 27]
+    assert smollm2.dtype == torch.float32
+    assert resolve_target("smollm2-135m-instruct").kind == "gguf"
