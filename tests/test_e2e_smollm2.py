@@ -1,0 +1,90 @@
+"""End to end on the real embedded target: the demo's prepare + capture over 16
+packaged ShareGPT conversations, checked against the target itself."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes import demo
+from trainer.data.shards import CaptureReader
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    demo.main([f"output_dir={out}", "prepare.max_records=100", "prepare.max_length=1024", "capture.max_samples=16",
+               "capture.samples_per_shard=8"])
+    return out
+
+
+def test_demo_prints_and_writes_a_capture(demo_run):
+    m = json.loads((demo_run / "capture" / "manifest.json").read_text())
+    assert m["samples"] == 16 and len(m["shards"]) == 2
+    assert m["target"]["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert m["aux_layer_ids"] == [2, 15, 27] and m["target"]["num_layers"] == 30
+    assert m["store_dtype"] == "bfloat16"
+    # 3 aux layers + the last layer, H=576, bf16, plus int32 id and uint8 mask = 4613 bytes a token
+    assert m["bytes_per_token"]["expected"] == 4 * 576 * 2 + 5
+    assert m["bytes_per_token"]["on_disk"] == pytest.approx(4613, rel=0.01)
+    s = json.loads((demo_run / "prepared" / "summary.json").read_text())
+    assert s["records_read"] == 100 and s["kept"] >= 16
+    assert s["skipped"].get("leading_assistant", 0) > 0  # the packaged ShareGPT has them
+
+
+def test_captured_states_match_the_target(demo_run, smollm2):
+    reader = CaptureReader(demo_run / "capture")
+    for i in (0, 15):
+        s = reader[i]
+        ids = s["input_ids"].long()[None]
+        with torch.no_grad():
+            ref = smollm2.model(ids, output_hidden_states=True)
+        H = 576
+        for k, layer in enumerate([2, 15, 27]):
+            torch.testing.assert_close(s["aux_hidden_states"][:, k * H:(k + 1) * H].float(), ref.hidden_states[layer][0],
+                                       atol=0.05, rtol=0.02)
+        logits = smollm2.logits_from_last_hidden(s["last_hidden_state"].float())
+        agree = (logits.argmax(-1) == ref.logits[0].argmax(-1)).float().mean()
+        assert agree > 0.97  # bf16 storage of the pre-norm state keeps the target's argmax
+
+
+def test_loss_mask_covers_only_assistant_text(demo_run, smollm2):
+    reader = CaptureReader(demo_run / "capture")
+    tok = smollm2.tokenizer
+    for i in range(len(reader)):
+        s = reader[i]
+        ids, mask = s["input_ids"].tolist(), s["loss_mask"].bool().tolist()
+        runs, cur = [], []
+        for t, m in zip(ids, mask):
+            if m:
+                cur.append(t)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        runs += [cur] if cur else []
+        assert runs, f"sample {i} has no assistant tokens"
+        for r in runs:
+            assert r[-1] == tok.convert_tokens_to_ids("<|im_end|>")  # each turn ends with its end-of-turn token
+            assert tok.convert_tokens_to_ids("<|im_start|>") not in r
+            assert not tok.decode(r).startswith("assistant\n")
+
+
+def test_inspect_capture_verifies_hashes(demo_run):
+    exe = Path(sys.executable).parent / "draftsmith"
+    r = subprocess.run([str(exe), "inspect-capture", str(demo_run / "capture")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "all 2 shard(s) match their sha256" in r.stdout
+    shard = demo_run / "capture" / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    r = subprocess.run([str(exe), "inspect-capture", str(demo_run / "capture")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].endswith("shard-00001.safetensors does not match its sha256 in manifest.json")
