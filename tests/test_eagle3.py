@@ -1,0 +1,129 @@
+import math
+
+import torch
+import torch.nn.functional as F
+
+from trainer.drafts.eagle3 import Eagle3Config, Eagle3Draft, rotate_half, simulated_tau, training_step, ttt_mask
+
+
+def tiny_draft(seed=0, norm_before_residual=False):
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       rms_norm_eps=1e-6, max_position_embeddings=128,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, target_hidden_size=32,
+                       vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3],
+                       norm_before_residual=norm_before_residual)
+    embed = torch.nn.Embedding(50, 32)
+    d = Eagle3Draft(cfg, embed)
+    for p in d.parameters():  # RMSNorm weights away from 1 so that norm placement matters
+        torch.nn.init.normal_(p, std=0.3)
+    return d
+
+
+def test_ttt_mask_shape():
+    m = ttt_mask(3, 2)
+    assert m.shape == (3, 9)
+    assert m[:, :3].equal(torch.ones(3, 3, dtype=torch.bool).tril())
+    assert m[:, 3:6].equal(torch.eye(3, dtype=torch.bool)) and m[:, 6:].equal(torch.eye(3, dtype=torch.bool))
+
+
+def naive_unroll(d: Eagle3Draft, ids, fused, K):
+    """Each step recomputed from scratch, position by position, with explicit key sets:
+    the query at (i, step k) sees step-0 keys at positions <= i and (i, step j) for 1 <= j <= k."""
+    B, T = ids.shape
+    layer, att = d.midlayer, d.midlayer.self_attn
+    rep = att.nh // att.nkv
+
+    def shift(x, n):
+        return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)
+
+    def qkv(step_hidden, k):
+        toks = shift(ids, 1 + k)
+        e = layer.input_layernorm(d.embed_tokens(toks))
+        if layer.norm_before_residual:
+            h = layer.hidden_norm(step_hidden)
+            res = h
+        else:
+            res, h = step_hidden, layer.hidden_norm(step_hidden)
+        x = torch.cat([e, h], -1)
+        pos = torch.arange(T)[None].expand(B, T) + k
+        cos, sin = d.rotary(pos, x.dtype)
+        def proj(lin, n):
+            y = lin(x).view(B, T, n, att.hd).transpose(1, 2)
+            return y
+        q, kk, v = proj(att.q_proj, att.nh), proj(att.k_proj, att.nkv), proj(att.v_proj, att.nkv)
+        c, s = cos[:, None], sin[:, None]
+        q, kk = q * c + rotate_half(q) * s, kk * c + rotate_half(kk) * s
+        return q, kk.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), res
+
+    outs = []
+    hidden = fused
+    for k in range(K):
+        # recompute keys/values of all earlier steps from scratch
+        hs, kvs = fused, []
+        for j in range(k + 1):
+            q, kk, v, res = qkv(hs, j)
+            kvs.append((kk, v))
+            if j < k:  # advance the state with the same naive attention
+                hs = _naive_layer(d, q, kvs, res, T)
+        q, _, _, res = qkv(hidden if k == 0 else hs, k)
+        hidden = _naive_layer(d, q, kvs, res, T)
+        outs.append(d.lm_head(d.norm(hidden)))
+        hs = hidden
+    return outs
+
+
+def _naive_layer(d, q, kvs, res, T):
+    att, layer = d.midlayer.self_attn, d.midlayer
+    B = q.shape[0]
+    out = torch.zeros(B, att.nh, T, att.hd, dtype=q.dtype)
+    for i in range(T):
+        keys = [kvs[0][0][:, :, : i + 1]] + [kv[0][:, :, i: i + 1] for kv in kvs[1:]]
+        vals = [kvs[0][1][:, :, : i + 1]] + [kv[1][:, :, i: i + 1] for kv in kvs[1:]]
+        keys, vals = torch.cat(keys, 2), torch.cat(vals, 2)  # [B, nh, i+1+k, hd]
+        w = (q[:, :, i: i + 1] @ keys.transpose(-1, -2) / math.sqrt(att.hd)).softmax(-1)
+        out[:, :, i] = (w @ vals)[:, :, 0]
+    a = att.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+    r = res + a
+    return r + layer.mlp(layer.post_attention_layernorm(r))
+
+
+def test_ttt_unroll_equals_a_naive_loop():
+    for nbr in (False, True):
+        d = tiny_draft(norm_before_residual=nbr).double()
+        d.embed_tokens.double()
+        B, T, K = 2, 6, 4
+        ids = torch.randint(0, 50, (B, T))
+        fused = torch.randn(B, T, 32, dtype=torch.double)
+        cache, hidden, fast = [], fused, []
+        for k in range(K):
+            toks = torch.cat([ids[:, 1 + k:], torch.zeros(B, 1 + k, dtype=ids.dtype)], 1)
+            pos = torch.arange(T)[None].expand(B, T) + k
+            hidden, logits = d.step(toks, hidden, pos, cache)
+            fast.append(logits)
+        for k, (a, b) in enumerate(zip(fast, naive_unroll(d, ids, fused, K))):
+            torch.testing.assert_close(a, b, msg=f"step {k} (norm_before_residual={nbr})")
+
+
+def test_training_step_masks_and_counts():
+    d = tiny_draft()
+    B, T, K = 2, 10, 3
+    ids = torch.randint(0, 50, (B, T))
+    loss_mask = torch.zeros(B, T, dtype=torch.long)
+    loss_mask[:, 5:] = 1
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": torch.ones(B, T, dtype=torch.long),
+             "aux_hidden_states": torch.randn(B, T, 96), "last_hidden_state": torch.randn(B, T, 32)}
+    head = torch.randn(20, 32)
+    m = training_step(d, batch, lambda h: F.linear(h, head), ttt_steps=K, step_decay=0.8)
+    # step k predicts token i+2+k: valid positions are those with i+2+k in [5, T)
+    for k in range(K):
+        expected = sum(1 for i in range(T) if 5 <= i + 2 + k < T) * B
+        assert int(m.step_count[k]) == expected
+    m.loss.backward()
+    assert d.fc.weight.grad is not None and d.lm_head.weight.grad is not None
+
+
+def test_simulated_tau():
+    assert simulated_tau([1.0, 1.0, 1.0]) == 4.0
+    assert simulated_tau([0.0, 1.0]) == 1.0
+    assert math.isclose(simulated_tau([0.5, 0.5]), 1 + 0.5 + 0.25)

@@ -1,0 +1,307 @@
+"""EAGLE-3 draft: config, the served module (vLLM `LlamaForCausalLMEagle3` layout) and
+its training-time-test (TTT) training step.
+
+Sources: EAGLE-3 paper (Li et al., 2025, arXiv:2503.01840) §3 — fuse low/mid/high
+target features with `fc`, one decoder layer, train with "training-time test"
+(unroll the draft on its own outputs); reference code SafeAILab/EAGLE
+`eagle/traineagle3/cnets.py`; served layout vllm/model_executor/models/llama_eagle3.py.
+
+Module layout (names are vLLM's, so export is a one-to-one key map):
+    fc                 Linear(3*Ht -> H, no bias)      fuses the three aux states
+    midlayer.hidden_norm, midlayer.input_layernorm      RMSNorm(H)
+    midlayer.self_attn.{q,k,v}_proj                     Linear(2H -> heads*hd): input concat(norm(embed), norm(fused))
+    midlayer.self_attn.o_proj                           Linear(heads*hd -> H)
+    midlayer.post_attention_layernorm, midlayer.mlp     RMSNorm(H), SwiGLU(H -> I -> H)
+    norm, lm_head                                       RMSNorm(H), Linear(H -> Vd)
+    d2t [Vd] int64, t2d [V] bool                        buffers: target_id = draft_id + d2t[draft_id]
+The token embedding is the target's, frozen, not trained and not exported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer import losses
+
+
+@dataclass
+class Eagle3Config:
+    """The draft layer's shape. Null fields are filled from the target (`fill_from_target`)."""
+
+    hidden_size: int | None = None  # H; must equal the target's (the draft shares its embedding)
+    intermediate_size: int | None = None  # I
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float | None = None
+    max_position_embeddings: int | None = None
+    rope_parameters: dict | None = None  # copied from the target (type, theta, scaling)
+    target_hidden_size: int | None = None  # Ht
+    vocab_size: int | None = None  # V, the target's
+    draft_vocab_size: int = 32000  # Vd
+    aux_layer_ids: list[int] = field(default_factory=list)  # vLLM convention (entering layer i)
+    # vLLM's LlamaForCausalLMEagle3 option: apply hidden_norm before taking the residual.
+    # False = the EAGLE-3 reference (residual is the un-normed fused feature).
+    norm_before_residual: bool = False
+
+    def fill_from_target(self, target_config, aux_layer_ids, draft_vocab_size: int | None = None) -> Eagle3Config:
+        t = target_config
+        for name, value in (("hidden_size", t.hidden_size), ("intermediate_size", t.intermediate_size),
+                            ("num_attention_heads", t.num_attention_heads),
+                            ("num_key_value_heads", getattr(t, "num_key_value_heads", t.num_attention_heads)),
+                            ("head_dim", getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads),
+                            ("rms_norm_eps", t.rms_norm_eps), ("max_position_embeddings", t.max_position_embeddings),
+                            ("rope_parameters", dict(getattr(t, "rope_parameters", None) or
+                                                     {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)})),
+                            ("target_hidden_size", t.hidden_size), ("vocab_size", t.vocab_size)):
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if not self.aux_layer_ids:
+            self.aux_layer_ids = list(aux_layer_ids)
+        if draft_vocab_size is not None:
+            self.draft_vocab_size = draft_vocab_size
+        return self
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as Llama computes it (in fp32, then cast back): Zhang & Sennrich 2019."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """RoPE (Su et al., 2021) with the target's rope parameters, via transformers' init
+    functions so that llama3/yarn scaling match what vLLM builds from the same config."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                         rope_parameters=dict(cfg.rope_parameters))
+        rope_type = hf.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            base = hf.rope_parameters["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+            scale = 1.0
+        else:
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scale = scale
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, hd]
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * H, self.nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * hd, H, bias=False)
+
+    def forward(self, x, cos, sin, cache: list[tuple[torch.Tensor, torch.Tensor]], key_padding: torch.Tensor | None):
+        """x: [B, T, 2H], the current TTT step k = len(cache) at every position.
+
+        Attention (the TTT mask): the query at (position i, step k) sees step-0 keys at
+        positions <= i (causal) and the keys of steps 1..k at position i itself: the
+        chain of drafts that started at i, as at inference time.
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache.append((k, v))
+        step = len(cache) - 1
+        keys = torch.cat([c[0] for c in cache], dim=2)  # [B, nkv, (step+1)*T, hd]
+        values = torch.cat([c[1] for c in cache], dim=2)
+        mask = ttt_mask(T, step, x.device)  # [T, (step+1)*T] True = may attend
+        if key_padding is not None:  # [B, T] 1 = real token; padded keys of step 0 are never seen
+            mask = mask[None, None] & torch.cat(
+                [key_padding.bool(), torch.ones(B, step * T, dtype=torch.bool, device=x.device)], dim=1)[:, None, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=self.nh != self.nkv)  # [B, nh, T, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
+    """[T, (step+1)*T] bool: causal over step-0 keys, then one diagonal per later step."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU (Shazeer 2020)
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def forward(self, embeds, hidden, cos, sin, cache, key_padding):
+        """embeds, hidden: [B, T, H] -> the layer's output residual stream [B, T, H]."""
+        if self.norm_before_residual:  # vLLM `_norm_before_residual`
+            hidden = self.hidden_norm(hidden)
+            residual = hidden
+        else:  # vLLM `_norm_after_residual`, the EAGLE-3 reference
+            residual = hidden
+            hidden = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)  # [B, T, 2H]
+        residual = residual + self.self_attn(x, cos, sin, cache, key_padding)
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: Eagle3Config, embed_tokens: nn.Embedding | None = None):
+        super().__init__()
+        if cfg.hidden_size != cfg.target_hidden_size:
+            raise ValueError(f"EAGLE-3 draft hidden_size {cfg.hidden_size} must equal the target's "
+                             f"{cfg.target_hidden_size}: the draft shares the target's embedding")
+        self.config = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, H, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        # The target's embedding: frozen, outside this module's parameters and state dict.
+        self._embed = [embed_tokens]
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._embed[0]
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self) -> torch.Tensor:
+        """[Vd] target ids of the draft vocabulary."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def step(self, input_ids, hidden, positions, cache, key_padding=None):
+        """One draft step. input_ids [B, T]; hidden [B, T, H] (fused aux states at step 0,
+        the previous step's output after); positions [B, T].
+        Returns (pre-norm hidden [B, T, H] to feed back, logits [B, T, Vd])."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        out = self.midlayer(embeds, hidden, cos, sin, cache, key_padding)
+        return out, self.lm_head(self.norm(out))
+
+
+@dataclass
+class StepMetrics:
+    loss: torch.Tensor  # weighted sum over TTT steps (the training objective)
+    step_loss: list[torch.Tensor]
+    step_correct: list[torch.Tensor]  # correct predictions (draft argmax == target argmax), per step
+    step_count: list[torch.Tensor]  # positions counted per step
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """[B, T, ...] -> x[:, n:] padded at the end with `fill`, same shape."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def training_step(draft: Eagle3Draft, batch: dict, target_logits_fn, ttt_steps: int, step_decay: float) -> StepMetrics:
+    """The EAGLE-3 training-time test over K = `ttt_steps` unrolled steps.
+
+    batch: input_ids [B, T], loss_mask [B, T], attention_mask [B, T],
+           aux_hidden_states [B, T, L*Ht], last_hidden_state [B, T, Ht].
+    target_logits_fn(last_hidden_state) -> target logits restricted to the draft vocab [B, T, Vd].
+
+    Target state h_i has seen tokens <= i. At step k the draft at position i reads token
+    i+1+k and its own state from step k-1, and predicts token i+2+k, whose target
+    distribution is the target's at position i+1+k. Positions (RoPE) are i+k.
+    """
+    ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    B, T = ids.shape
+    with torch.no_grad():
+        p = target_logits_fn(batch["last_hidden_state"]).float().softmax(-1)  # [B, T, Vd]
+    hidden = draft.fc(batch["aux_hidden_states"].to(draft.fc.weight.dtype))  # [B, T, H]
+    base_pos = torch.arange(T, device=ids.device).expand(B, T)
+    cache: list = []
+    metrics = StepMetrics(loss=hidden.new_zeros((), dtype=torch.float32), step_loss=[], step_correct=[], step_count=[])
+    for k in range(ttt_steps):
+        tokens = shift_left(ids, 1 + k)  # [B, T] token i+1+k
+        target_p = shift_left(p, 1 + k)  # [B, T, Vd] target's distribution for token i+2+k
+        valid = shift_left(loss_mask, 2 + k).bool() & attn.bool()  # [B, T] token i+2+k is an assistant token
+        hidden, logits = draft.step(tokens, hidden, base_pos + k, cache, key_padding=attn)
+        loss_k = losses.soft_cross_entropy(logits, target_p, valid)
+        metrics.loss = metrics.loss + (step_decay ** k) * loss_k
+        metrics.step_loss.append(loss_k.detach())
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == target_p.argmax(-1)) & valid
+        metrics.step_correct.append(correct.sum())
+        metrics.step_count.append(valid.sum())
+    return metrics
+
+
+def restricted_target_logits(target, draft: Eagle3Draft):
+    """target logits over the draft vocab only: lm_head rows of the draft's target ids
+    applied to norm(h) — the same numbers as slicing full logits, without the [.., V] matmul."""
+    def fn(last_hidden_state):
+        ids = draft.draft_to_target()
+        h = target.backbone.norm(last_hidden_state.to(target.dtype))
+        return F.linear(h, target.model.lm_head.weight[ids])
+    return fn
+
+
+def simulated_tau(acc: list[float]) -> float:
+    """τ = 1 + Σ_k Π_{j<=k} acc_j: expected accepted length with the bonus token, as vLLM counts it."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    return tau
+
+
+__all__ = ["Eagle3Config", "Eagle3Draft", "training_step", "restricted_target_logits", "simulated_tau", "ttt_mask",
+           "math"]
