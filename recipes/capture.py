@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from recipes._common import one_line_errors, parse_args
+from trainer import faults
 from trainer.capture import capture_batch, right_pad, token_budget_batches
 from trainer.config import CaptureConfig, to_yaml
 from trainer.data.prepared import load_prepared
@@ -44,8 +44,6 @@ from trainer.io import atomic_save_safetensors, atomic_write_json, write_run_fil
 from trainer.target import LAYER_ID_CONVENTION, load_target, parse_dtype
 
 STATE = "capture_state.json"
-# Test hook: exit abruptly (as a kill would) after this many batches in this process.
-FAULT_ENV = "DRAFTSMITH_FAULT_CAPTURE_AFTER_BATCHES"
 
 
 def _open_output(out: Path, cfg: CaptureConfig, fingerprint: dict) -> None:
@@ -102,7 +100,6 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
     rows = {k: range(k * cfg.samples_per_shard, min((k + 1) * cfg.samples_per_shard, n)) for k in todo}
     lengths = list(ds.select(range(n))["length"])
     total = sum(lengths[i] for k in todo for i in rows[k])
-    fault_after = int(os.environ.get(FAULT_ENV, "0"))
     batches_run, tokens_done, t0 = 0, 0, time.perf_counter()
     with tqdm(total=total, unit="tok", unit_scale=True, desc=f"capture[{state.process_index}]",
               disable=not state.is_local_main_process) as bar:
@@ -121,8 +118,7 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
                     tokens_done += T
                     bar.update(T)
                 batches_run += 1
-                if fault_after and batches_run >= fault_after:
-                    os._exit(17)  # simulated kill, mid-shard
+                faults.maybe_die(faults.CAPTURE_AFTER_BATCHES, batches_run)  # tests: a kill mid-shard
             write_shard(out, k, pack_samples(samples, list(rows[k])))
     elapsed = time.perf_counter() - t0
     state.wait_for_everyone()

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from recipes import capture, prepare
 from tests.conftest import REPO
+from trainer import faults
 from trainer.capture import capture_batch, right_pad, token_budget_batches
 from trainer.config import CaptureConfig, PrepareConfig
 from trainer.data.shards import CaptureReader, verify_capture
@@ -117,8 +118,8 @@ def test_killed_capture_resumes_to_identical_shards(tmp_path, prepared, tiny_tar
     ref = _run_capture([*args, f"output_dir={tmp_path}/ref"])
     assert ref.returncode == 0, ref.stderr
     # Kill mid-shard: 12 samples of ~25-60 tokens in batches of <=96 padded tokens -> several batches a shard.
-    killed = _run_capture([*args, f"output_dir={tmp_path}/cut"], {capture.FAULT_ENV: "4"})
-    assert killed.returncode == 17, killed.stderr
+    killed = _run_capture([*args, f"output_dir={tmp_path}/cut"], {faults.CAPTURE_AFTER_BATCHES: "4"})
+    assert killed.returncode == faults.EXIT_CODE, killed.stderr
     assert not (tmp_path / "cut" / "manifest.json").exists()
     done_before = sorted(p.name for p in (tmp_path / "cut").glob("shard-*.json"))
     assert 0 < len(done_before) < 3, done_before  # killed with some, not all, shards complete

@@ -1,9 +1,15 @@
 import math
 
 import torch
-import torch.nn.functional as F
 
-from trainer.drafts.eagle3 import Eagle3Config, Eagle3Draft, rotate_half, simulated_tau, training_step, ttt_mask
+from trainer.drafts.eagle3 import (
+    Eagle3Config,
+    Eagle3Draft,
+    rotate_half,
+    simulated_tau,
+    training_step,
+    ttt_mask,
+)
 
 
 def tiny_draft(seed=0, norm_before_residual=False):
@@ -112,9 +118,9 @@ def test_training_step_masks_and_counts():
     loss_mask = torch.zeros(B, T, dtype=torch.long)
     loss_mask[:, 5:] = 1
     batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": torch.ones(B, T, dtype=torch.long),
-             "aux_hidden_states": torch.randn(B, T, 96), "last_hidden_state": torch.randn(B, T, 32)}
-    head = torch.randn(20, 32)
-    m = training_step(d, batch, lambda h: F.linear(h, head), ttt_steps=K, step_decay=0.8)
+             "aux_hidden_states": torch.randn(B, T, 96)}
+    target_p = torch.randn(B, T, 20).softmax(-1)
+    m = training_step(d, batch, target_p, ttt_steps=K, step_decay=0.8)
     # step k predicts token i+2+k: valid positions are those with i+2+k in [5, T)
     for k in range(K):
         expected = sum(1 for i in range(T) if 5 <= i + 2 + k < T) * B

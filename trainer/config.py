@@ -205,4 +205,58 @@ class DemoConfig:
         self.capture.validate()
 
 
-SCHEMAS = {"prepare": PrepareConfig, "capture": CaptureConfig, "demo": DemoConfig}
+from trainer.drafts.eagle3 import Eagle3Config  # noqa: E402
+
+
+@dataclass
+class TrainConfig:
+    """`recipes/train.py`: a draft trained on a capture (offline) or on the target in the loop (online)."""
+
+    data: str = MISSING  # a capture dir (offline), or a prepared-data dir with online=true
+    output_dir: str = MISSING
+    algorithm: str = "eagle3"  # a key of trainer.drafts.DRAFTS
+    target: str = DEFAULT_TARGET
+    online: bool = False  # hidden states from the target in the loop instead of a capture
+    aux_layer_ids: list[int] | None = None  # online only; offline takes the capture's
+    draft_vocab_size: int = 32000  # online only (from the prepared data); offline takes the capture's
+    draft: Eagle3Config = field(default_factory=Eagle3Config)
+    ttt_steps: int = 7  # K unrolled training-time-test steps (EAGLE-3 reference: 7)
+    step_decay: float = 0.8  # loss weight decay^k for step k (EAGLE-3 reference: 0.8)
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; caps epochs
+    batch_size: int = 1  # samples per process per micro-batch
+    gradient_accumulation_steps: int = 1
+    max_length: int = 2048  # samples are truncated to this many tokens
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    max_grad_norm: float = 0.5
+    mixed_precision: str = "auto"  # auto: bf16 on an accelerator, fp32 on CPU; or "no" | "bf16"
+    gradient_checkpointing: bool = False
+    save_every: int = 100  # optimizer steps between `save_state` checkpoints
+    keep_last: int = 2  # checkpoints kept
+    resume: str | None = None  # "latest" or a checkpoint directory
+    log_every: int = 10
+    seed: int = 0
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        from trainer.drafts import DRAFTS
+
+        if self.algorithm not in DRAFTS:
+            close = difflib.get_close_matches(self.algorithm, list(DRAFTS), n=1)
+            raise ConfigError(f"algorithm '{self.algorithm}' is not one of {', '.join(DRAFTS)}"
+                              + (f"; did you mean '{close[0]}'?" if close else ""))
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ConfigError(f"mixed_precision={self.mixed_precision!r}; use auto, no, bf16 or fp16")
+        for key in ("ttt_steps", "epochs", "batch_size", "gradient_accumulation_steps", "save_every", "keep_last",
+                    "log_every", "max_length"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1")
+        if not 0 < self.step_decay <= 1:
+            raise ConfigError("step_decay must be in (0, 1]")
+        if self.aux_layer_ids is not None and not self.online:
+            raise ConfigError("aux_layer_ids is taken from the capture's manifest offline; set it only with online=true")
+
+
+SCHEMAS = {"prepare": PrepareConfig, "capture": CaptureConfig, "demo": DemoConfig, "eagle3": TrainConfig}

@@ -19,7 +19,6 @@ The token embedding is the target's, frozen, not trained and not exported.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -250,12 +249,13 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def training_step(draft: Eagle3Draft, batch: dict, target_logits_fn, ttt_steps: int, step_decay: float) -> StepMetrics:
+def training_step(draft: Eagle3Draft, batch: dict, target_p: torch.Tensor, ttt_steps: int,
+                  step_decay: float) -> StepMetrics:
     """The EAGLE-3 training-time test over K = `ttt_steps` unrolled steps.
 
-    batch: input_ids [B, T], loss_mask [B, T], attention_mask [B, T],
-           aux_hidden_states [B, T, L*Ht], last_hidden_state [B, T, Ht].
-    target_logits_fn(last_hidden_state) -> target logits restricted to the draft vocab [B, T, Vd].
+    batch: input_ids [B, T], loss_mask [B, T], attention_mask [B, T], aux_hidden_states [B, T, L*Ht].
+    target_p: the target's next-token distribution at each position, restricted to the
+    draft vocabulary and renormalized [B, T, Vd] (see `target_probs`).
 
     Target state h_i has seen tokens <= i. At step k the draft at position i reads token
     i+1+k and its own state from step k-1, and predicts token i+2+k, whose target
@@ -263,8 +263,7 @@ def training_step(draft: Eagle3Draft, batch: dict, target_logits_fn, ttt_steps: 
     """
     ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     B, T = ids.shape
-    with torch.no_grad():
-        p = target_logits_fn(batch["last_hidden_state"]).float().softmax(-1)  # [B, T, Vd]
+    p = target_p
     hidden = draft.fc(batch["aux_hidden_states"].to(draft.fc.weight.dtype))  # [B, T, H]
     base_pos = torch.arange(T, device=ids.device).expand(B, T)
     cache: list = []
@@ -284,14 +283,24 @@ def training_step(draft: Eagle3Draft, batch: dict, target_logits_fn, ttt_steps: 
     return metrics
 
 
-def restricted_target_logits(target, draft: Eagle3Draft):
-    """target logits over the draft vocab only: lm_head rows of the draft's target ids
-    applied to norm(h) — the same numbers as slicing full logits, without the [.., V] matmul."""
-    def fn(last_hidden_state):
-        ids = draft.draft_to_target()
-        h = target.backbone.norm(last_hidden_state.to(target.dtype))
-        return F.linear(h, target.model.lm_head.weight[ids])
-    return fn
+@torch.no_grad()
+def target_probs(target, last_hidden_state: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """softmax over the draft vocabulary of the target's logits, recomputed from the captured
+    pre-norm state: lm_head rows of the draft's target ids applied to norm(h), the same
+    numbers as slicing the full logits without the [.., V] matmul. [B, T, Ht] -> [B, T, Vd]."""
+    h = target.backbone.norm(last_hidden_state.to(target.dtype))
+    return F.linear(h, target.model.lm_head.weight[draft_ids]).float().softmax(-1)
+
+
+class TTTModule(nn.Module):
+    """The unit DDP/DeepSpeed wrap: its forward is one training step of the draft."""
+
+    def __init__(self, draft: Eagle3Draft, ttt_steps: int, step_decay: float):
+        super().__init__()
+        self.draft, self.ttt_steps, self.step_decay = draft, ttt_steps, step_decay
+
+    def forward(self, batch: dict, target_p: torch.Tensor) -> StepMetrics:
+        return training_step(self.draft, batch, target_p, self.ttt_steps, self.step_decay)
 
 
 def simulated_tau(acc: list[float]) -> float:
@@ -303,5 +312,4 @@ def simulated_tau(acc: list[float]) -> float:
     return tau
 
 
-__all__ = ["Eagle3Config", "Eagle3Draft", "training_step", "restricted_target_logits", "simulated_tau", "ttt_mask",
-           "math"]
+__all__ = ["Eagle3Config", "Eagle3Draft", "TTTModule", "training_step", "target_probs", "simulated_tau", "ttt_mask"]

@@ -1,0 +1,300 @@
+"""Train a draft (EAGLE-3) on a capture, or on the target in the loop.
+
+    python recipes/train.py --config recipes/configs/smollm2-135m/eagle3.yaml
+    accelerate launch recipes/train.py --config recipes/configs/smollm2-135m/eagle3.yaml
+    accelerate launch --config_file recipes/accelerate/zero2.yaml recipes/train.py --config ...
+
+Reads top to bottom: config -> target -> data -> draft -> optimizer -> the loop ->
+save. accelerate does processes, accumulation, clipping, checkpoint state and
+trackers; the draft module owns its training step (trainer/drafts/<algorithm>.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from recipes._common import one_line_errors, parse_args
+from trainer import faults
+from trainer.config import TrainConfig, to_yaml
+from trainer.data.collate import CapturedSamples, PreparedSamples, collate
+from trainer.data.shards import DRAFT_VOCAB, load_manifest
+from trainer.drafts import DRAFTS
+from trainer.errors import DraftsmithError
+from trainer.io import atomic_write_json, write_run_files
+from trainer.target import load_target
+
+
+class Progress:
+    """Loop position, saved with every checkpoint so that `resume=latest` restarts exactly."""
+
+    def __init__(self):
+        self.step, self.epoch, self.micro_in_epoch = 0, 0, 0
+
+    def state_dict(self):
+        return {"step": self.step, "epoch": self.epoch, "micro_in_epoch": self.micro_in_epoch}
+
+    def load_state_dict(self, s):
+        self.step, self.epoch, self.micro_in_epoch = s["step"], s["epoch"], s["micro_in_epoch"]
+
+
+def make_accelerator(cfg: TrainConfig, out: Path):
+    from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+    from accelerate.utils import ProjectConfiguration
+
+    on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not torch.cuda.is_available()
+    expected = int(os.environ.get("WORLD_SIZE", "1"))
+    precision = ("bf16" if not on_cpu else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
+    try:
+        import tensorboard  # noqa: F401
+
+        trackers = "tensorboard"
+    except ImportError:
+        trackers = None
+    accelerator = Accelerator(
+        cpu=on_cpu, mixed_precision=precision, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        log_with=trackers,
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs"),
+                                            automatic_checkpoint_naming=True, total_limit=cfg.keep_last),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # DeepSpeed and DDP on the CPU need the gloo backend (and a single process none).
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if on_cpu and expected > 1 else [],
+    )
+    if accelerator.num_processes != expected:
+        raise DraftsmithError(f"launcher asked for {expected} processes but {accelerator.num_processes} joined; on CPU "
+                              "use `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N`")
+    return accelerator
+
+
+def load_data(cfg: TrainConfig, target):
+    """(dataset, aux layer ids, d2t, t2d, data description), validated against the target."""
+    if cfg.online:
+        from trainer.data.prepared import load_prepared
+        from trainer.data.vocab import build_draft_vocab, token_counts
+
+        ds, summary = load_prepared(cfg.data)
+        if summary["target_sha256"] != target.content_hash:
+            raise DraftsmithError(f"'{cfg.data}' was prepared with {summary['target']}, not {target.name}")
+        counts = sum(token_counts(b["input_ids"], b["loss_mask"], target.vocab_size) for b in ds.iter(1024))
+        d2t, t2d = build_draft_vocab(counts, min(cfg.draft_vocab_size, target.vocab_size))
+        ids = list(cfg.aux_layer_ids) if cfg.aux_layer_ids else target.default_aux_layer_ids()
+        target.check_layer_ids(ids)
+        return PreparedSamples(ds, cfg.max_length), ids, d2t, t2d, {"prepared": str(cfg.data)}
+    info = load_manifest(cfg.data)
+    m = info.manifest
+    t = m["target"]
+    mismatch = [f"{k} {t[k]} != {v}" for k, v in (("sha256", target.content_hash), ("hidden_size", target.hidden_size),
+                                                  ("vocab_size", target.vocab_size), ("num_layers", target.num_layers))
+                if t[k] != v]
+    if mismatch:
+        raise DraftsmithError(f"capture '{cfg.data}' was made from {t['name']}, not this target ({target.name}): "
+                              f"{'; '.join(mismatch)}; capture again with this target")
+    ids = m["aux_layer_ids"]
+    if cfg.draft.aux_layer_ids and list(cfg.draft.aux_layer_ids) != ids:
+        raise DraftsmithError(f"draft.aux_layer_ids {list(cfg.draft.aux_layer_ids)} != the capture's {ids} "
+                              f"({m['layer_id_convention']}); drop draft.aux_layer_ids or capture with these ids")
+    vocab = load_file(info.path / DRAFT_VOCAB)
+    return CapturedSamples(info.path, cfg.max_length), ids, vocab["d2t"], vocab["t2d"], {"capture": str(cfg.data)}
+
+
+def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from transformers import get_cosine_schedule_with_warmup
+
+    out = Path(cfg.output_dir)
+    if out.exists() and cfg.resume is None and any(out.iterdir()):
+        if not cfg.overwrite:
+            raise DraftsmithError(f"output_dir '{out}' exists; pass resume=latest to continue or overwrite=true")
+    accelerator = make_accelerator(cfg, out)
+    if cfg.overwrite and cfg.resume is None and accelerator.is_main_process and out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    set_seed(cfg.seed)
+    algo = DRAFTS[cfg.algorithm]
+
+    # The frozen target: its embedding feeds the draft; its head gives the training targets.
+    target = load_target(cfg.target, "float32" if accelerator.device.type == "cpu" else "bfloat16", accelerator.device)
+    dataset, aux_ids, d2t, t2d, data_desc = load_data(cfg, target)
+    draft_cfg = dataclasses.replace(cfg.draft).fill_from_target(target.model.config.get_text_config(), aux_ids,
+                                                                 int(d2t.numel()))
+    draft = algo.Eagle3Draft(draft_cfg, target.backbone.embed_tokens)
+    draft.set_vocab(d2t, t2d)
+    model = algo.TTTModule(draft, cfg.ttt_steps, cfg.step_decay)
+    if cfg.gradient_checkpointing:
+        draft.midlayer = _checkpointed(draft.midlayer)
+
+    generator = torch.Generator().manual_seed(cfg.seed)
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate, generator=generator)
+    updates_per_epoch = math.ceil(len(loader) / accelerator.num_processes / cfg.gradient_accumulation_steps)
+    total_steps = min(cfg.max_steps or 10**12, cfg.epochs * updates_per_epoch)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                  weight_decay=cfg.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, min(cfg.warmup_steps, total_steps), total_steps)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    if cfg.resume is not None:
+        accelerator.load_state(_checkpoint_dir(out, cfg.resume))
+        accelerator.project_configuration.iteration = progress.step // cfg.save_every + 1
+    if accelerator.is_main_process:
+        accelerator.init_trackers("draftsmith", config={k: v for k, v in dataclasses.asdict(cfg).items()
+                                                         if isinstance(v, (int, float, str, bool))})
+
+    draft_ids = draft.draft_to_target().to(accelerator.device)
+    window = _Window(cfg.ttt_steps)
+    history = []
+    bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step",
+               disable=not accelerator.is_local_main_process)
+    t0, tokens = time.perf_counter(), 0
+    while progress.step < total_steps:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(progress.epoch)
+        epoch_loader = accelerator.skip_first_batches(loader, progress.micro_in_epoch) if progress.micro_in_epoch \
+            else loader
+        for batch in epoch_loader:
+            progress.micro_in_epoch += 1
+            if cfg.online:
+                from trainer.capture import capture_batch
+
+                batch.update(capture_batch(target, batch["input_ids"], batch["attention_mask"], aux_ids))
+            with accelerator.accumulate(model):
+                target_p = algo.target_probs(target, batch["last_hidden_state"], draft_ids)
+                with accelerator.autocast():
+                    metrics = model(batch, target_p)
+                accelerator.backward(metrics.loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            window.add(metrics, int(batch["attention_mask"].sum()))
+            tokens += int(batch["attention_mask"].sum())
+            if not accelerator.sync_gradients:
+                continue
+            progress.step += 1
+            bar.update(1)
+            if progress.step % cfg.log_every == 0 or progress.step == total_steps:
+                stats = window.reduce(accelerator)
+                stats.update(step=progress.step, lr=scheduler.get_last_lr()[0],
+                             tokens_per_s=tokens * accelerator.num_processes / (time.perf_counter() - t0))
+                history.append(stats)
+                accelerator.log({k: v for k, v in stats.items() if not isinstance(v, list)}, step=progress.step)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau']:.2f}",
+                                tok_s=f"{stats['tokens_per_s']:.0f}")
+            if progress.step % cfg.save_every == 0:
+                accelerator.save_state()
+            faults.maybe_die(faults.TRAIN_AFTER_STEPS, progress.step)  # tests: a kill between checkpoints
+            if progress.step >= total_steps:
+                break
+        else:
+            progress.epoch += 1
+            progress.micro_in_epoch = 0
+    bar.close()
+    accelerator.wait_for_everyone()
+    report = {"steps": progress.step, "history": history, "final": history[-1] if history else {},
+              "world_size": accelerator.num_processes, "seconds": time.perf_counter() - t0}
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model).draft
+        save_draft(out, cfg.algorithm, unwrapped, target, data_desc)
+        atomic_write_json(out / "train_report.json", report)
+        write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
+                                            "seed": cfg.seed, "world_size": accelerator.num_processes,
+                                            "algorithm": cfg.algorithm, **data_desc}, argv)
+    accelerator.end_training()
+    return report
+
+
+def save_draft(out: Path, algorithm: str, draft, target, data_desc: dict) -> None:
+    """model.safetensors (the draft's own weights and d2t/t2d; no target embedding) + config.json."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors.tmp"))
+    os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+    atomic_write_json(out / "config.json", {
+        "algorithm": algorithm, "draft": dataclasses.asdict(draft.config),
+        "target": {"name": target.name, "path": target.path, "sha256": target.content_hash,
+                   "num_layers": target.num_layers, "hidden_size": target.hidden_size,
+                   "vocab_size": target.vocab_size},
+        "layer_id_convention": "vllm:entering-layer", "data": data_desc})
+
+
+def _checkpoint_dir(out: Path, resume: str) -> str:
+    if resume != "latest":
+        return resume
+    ckpts = sorted((out / "checkpoints").glob("checkpoint_*"), key=lambda p: int(p.name.split("_")[-1]))
+    if not ckpts:
+        raise DraftsmithError(f"resume=latest but '{out}/checkpoints' holds no checkpoint; drop resume to start fresh")
+    return str(ckpts[-1])
+
+
+def _checkpointed(module):
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    def wrapped(*args):
+        return checkpoint(forward, *args, use_reentrant=False)
+
+    module.forward = wrapped
+    return module
+
+
+class _Window:
+    """Sums of loss/accuracy per TTT step since the last log line."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.reset()
+
+    def reset(self):
+        self.loss, self.n = 0.0, 0
+        self.correct, self.count = torch.zeros(self.k), torch.zeros(self.k)
+
+    def add(self, m, _tokens):
+        self.loss += float(m.loss.detach())
+        self.n += 1
+        self.correct += torch.stack([c.detach().float().cpu() for c in m.step_correct])
+        self.count += torch.stack([c.detach().float().cpu() for c in m.step_count])
+
+    def reduce(self, accelerator) -> dict:
+        from trainer.drafts.eagle3 import simulated_tau
+
+        packed = torch.cat([torch.tensor([self.loss, float(self.n)]), self.correct, self.count]).to(accelerator.device)
+        packed = accelerator.reduce(packed, reduction="sum").cpu()
+        loss, n = float(packed[0]), float(packed[1])
+        acc = (packed[2:2 + self.k] / packed[2 + self.k:].clamp(min=1)).tolist()
+        self.reset()
+        return {"loss": loss / max(n, 1), "acc": acc, "tau": simulated_tau(acc)}
+
+
+def format_report(r: dict) -> str:
+    f = r["final"]
+    return (f"trained {r['steps']} steps on {r['world_size']} process(es) in {r['seconds']:.0f} s: "
+            f"loss {f.get('loss', float('nan')):.3f}, simulated τ {f.get('tau', float('nan')):.2f}, "
+            f"{f.get('tokens_per_s', 0):.0f} tokens/s\n  per-step accuracy "
+            + " ".join(f"{a:.2f}" for a in f.get("acc", [])))
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(TrainConfig, argv, __doc__.splitlines()[0])
+    report = run(cfg, argv)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(format_report(report))
+        print(f"  written to {cfg.output_dir}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,53 @@
+"""Datasets and collation for draft training: captured samples (offline) or prepared
+token ids whose states the target computes in the loop (online)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+from trainer.data.shards import CaptureReader
+
+
+class CapturedSamples(Dataset):
+    def __init__(self, path, max_length: int):
+        self.reader, self.max_length = CaptureReader(path), max_length
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[: self.max_length] for k, v in self.reader[i].items()}
+
+
+class PreparedSamples(Dataset):
+    def __init__(self, ds, max_length: int):
+        self.ds, self.max_length = ds, max_length
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.ds[i]
+        return {"input_ids": torch.tensor(row["input_ids"][: self.max_length]),
+                "loss_mask": torch.tensor(row["loss_mask"][: self.max_length])}
+
+
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample: input_ids/loss_mask/attention_mask [B, T], states [B, T, D]."""
+    T = max(s["input_ids"].shape[0] for s in samples)
+    B = len(samples)
+    out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.long),
+           "attention_mask": torch.zeros(B, T, dtype=torch.long)}
+    for name in ("aux_hidden_states", "last_hidden_state"):
+        if name in samples[0]:
+            out[name] = torch.zeros(B, T, samples[0][name].shape[-1], dtype=torch.float32)
+    for r, s in enumerate(samples):
+        n = s["input_ids"].shape[0]
+        out["input_ids"][r, :n] = s["input_ids"].long()
+        out["loss_mask"][r, :n] = s["loss_mask"].long()
+        out["attention_mask"][r, :n] = 1
+        for name in ("aux_hidden_states", "last_hidden_state"):
+            if name in s:
+                out[name][r, :n] = s[name].float()
+    return out
