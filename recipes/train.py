@@ -50,6 +50,7 @@ def make_accelerator(cfg: TrainConfig, out: Path):
     from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
     from accelerate.utils import ProjectConfiguration
 
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
     on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not torch.cuda.is_available()
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     precision = ("bf16" if not on_cpu else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
@@ -60,7 +61,8 @@ def make_accelerator(cfg: TrainConfig, out: Path):
     except ImportError:
         trackers = None
     accelerator = Accelerator(
-        cpu=on_cpu, mixed_precision=precision, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        # DeepSpeed picks its own accelerator (its CPU one here); accelerate's cpu=True would bypass it.
+        cpu=on_cpu and not deepspeed, mixed_precision=precision, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         log_with=trackers,
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs"),
                                             automatic_checkpoint_naming=True, total_limit=cfg.keep_last),
@@ -205,10 +207,13 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     bar.close()
     accelerator.wait_for_everyone()
     report = {"steps": progress.step, "history": history, "final": history[-1] if history else {},
-              "world_size": accelerator.num_processes, "seconds": time.perf_counter() - t0}
+              "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
+              "seconds": time.perf_counter() - t0}
+    state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards; every rank must call it
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model).draft
-        save_draft(out, cfg.algorithm, unwrapped, target, data_desc)
+        save_draft(out, cfg.algorithm, unwrapped, {k.removeprefix("draft."): v for k, v in state.items()},
+                   target, data_desc)
         atomic_write_json(out / "train_report.json", report)
         write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
                                             "seed": cfg.seed, "world_size": accelerator.num_processes,
@@ -217,9 +222,9 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     return report
 
 
-def save_draft(out: Path, algorithm: str, draft, target, data_desc: dict) -> None:
+def save_draft(out: Path, algorithm: str, draft, state: dict, target, data_desc: dict) -> None:
     """model.safetensors (the draft's own weights and d2t/t2d; no target embedding) + config.json."""
-    tensors = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(tensors, str(out / "model.safetensors.tmp"))
     os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
     atomic_write_json(out / "config.json", {

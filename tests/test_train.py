@@ -99,6 +99,25 @@ def test_ddp_on_two_cpu_processes(tmp_path, tiny_capture, tiny_target_dir):
                if v.is_floating_point())
 
 
+def test_deepspeed_zero2_on_two_cpu_processes(tmp_path, tiny_capture, tiny_target_dir):
+    pytest.importorskip("deepspeed")
+    # Not ACCELERATE_USE_CPU: it makes accelerate bypass DeepSpeed. DeepSpeed picks its CPU
+    # accelerator itself; its shared-memory op compiles once into the cache below.
+    env = {"TORCH_EXTENSIONS_DIR": str(torch_extensions_dir())}
+    r = _launch(_args(tiny_capture, tiny_target_dir, tmp_path / "z2", "max_steps=3", "epochs=10"), env,
+                [*ACCELERATE[:3], "--config_file", str(REPO / "recipes" / "accelerate" / "zero2.yaml"), *ACCELERATE[3:]])
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((tmp_path / "z2" / "train_report.json").read_text())
+    assert report["distributed_type"] == "DistributedType.DEEPSPEED" and report["world_size"] == 2
+    assert report["steps"] == 3 and report["final"]["loss"] > 0
+
+
+def torch_extensions_dir():
+    from trainer.target import cache_root
+
+    return cache_root() / "torch_extensions"
+
+
 def test_refuses_a_capture_of_another_target(tmp_path, tiny_capture):
     from tests.conftest import make_tiny_model, make_tiny_tokenizer
 

@@ -125,8 +125,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
         self.o_proj = nn.Linear(self.nh * hd, H, bias=False)
 
-    def forward(self, x, cos, sin, cache: list[tuple[torch.Tensor, torch.Tensor]], key_padding: torch.Tensor | None):
-        """x: [B, T, 2H], the current TTT step k = len(cache) at every position.
+    def forward(self, x, cos, sin, cache: list[tuple[torch.Tensor, torch.Tensor]]):
+        """x: [B, T, 2H], the current TTT step k = len(cache) at every position. Batches are
+        right-padded, so causal attention keeps every real query off the padding.
 
         Attention (the TTT mask): the query at (position i, step k) sees step-0 keys at
         positions <= i (causal) and the keys of steps 1..k at position i itself: the
@@ -140,23 +141,35 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         cache.append((k, v))
-        step = len(cache) - 1
-        keys = torch.cat([c[0] for c in cache], dim=2)  # [B, nkv, (step+1)*T, hd]
-        values = torch.cat([c[1] for c in cache], dim=2)
-        mask = ttt_mask(T, step, x.device)  # [T, (step+1)*T] True = may attend
-        if key_padding is not None:  # [B, T] 1 = real token; padded keys of step 0 are never seen
-            mask = mask[None, None] & torch.cat(
-                [key_padding.bool(), torch.ones(B, step * T, dtype=torch.bool, device=x.device)], dim=1)[:, None, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.nh != self.nkv)  # [B, nh, T, hd]
+        if len(cache) == 1:  # step 0: plain causal attention (right padding never reaches a real query)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nh != self.nkv)
+        else:
+            out = ttt_attention(q, cache, self.nh // self.nkv)  # [B, nh, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
-def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
-    """[T, (step+1)*T] bool: causal over step-0 keys, then one diagonal per later step."""
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(T, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [eye] * step, dim=1)
+def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], rep: int) -> torch.Tensor:
+    """Attention of step k = len(cache) - 1 >= 1, written out (SpecForge does the same).
+
+    Scores are the causal [T, T] block against step-0 keys plus one score per later
+    step j (the key at the query's own position), softmaxed together. A fused kernel
+    over all (k+1)*T keys with a mask would do k+1 times the work for k diagonals.
+    q: [B, nh, T, hd]; cache[j] = (K_j, V_j), each [B, nkv, T, hd]; nh = nkv * rep.
+    """
+    B, nh, T, hd = q.shape
+    nkv = nh // rep
+    qg = q.view(B, nkv, rep, T, hd) * hd ** -0.5  # [B, nkv, rep, T, hd] (GQA: heads grouped by KV head)
+    k0, v0 = cache[0]
+    s0 = qg @ k0[:, :, None].transpose(-1, -2)  # [B, nkv, rep, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # [T, T]
+    s0 = s0.masked_fill(~causal, float("-inf"))
+    diag = torch.stack([(qg * kj[:, :, None]).sum(-1) for kj, _ in cache[1:]], dim=-1)  # [B, nkv, rep, T, k]
+    w = torch.cat([s0, diag], dim=-1).softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    # w: [B, nkv, rep, T, T + k]
+    out = w[..., :T] @ v0[:, :, None]  # [B, nkv, rep, T, hd]
+    vs = torch.stack([vj for _, vj in cache[1:]], dim=-1)  # [B, nkv, T, hd, k]
+    out = out + torch.einsum("bgrtk,bgtdk->bgrtd", w[..., T:], vs)
+    return out.reshape(B, nh, T, hd)
 
 
 class MLP(nn.Module):
@@ -180,7 +193,7 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, embeds, hidden, cos, sin, cache, key_padding):
+    def forward(self, embeds, hidden, cos, sin, cache):
         """embeds, hidden: [B, T, H] -> the layer's output residual stream [B, T, H]."""
         if self.norm_before_residual:  # vLLM `_norm_before_residual`
             hidden = self.hidden_norm(hidden)
@@ -189,7 +202,7 @@ class MidLayer(nn.Module):
             residual = hidden
             hidden = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)  # [B, T, 2H]
-        residual = residual + self.self_attn(x, cos, sin, cache, key_padding)
+        residual = residual + self.self_attn(x, cos, sin, cache)
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
@@ -223,13 +236,13 @@ class Eagle3Draft(nn.Module):
         """[Vd] target ids of the draft vocabulary."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
-    def step(self, input_ids, hidden, positions, cache, key_padding=None):
+    def step(self, input_ids, hidden, positions, cache):
         """One draft step. input_ids [B, T]; hidden [B, T, H] (fused aux states at step 0,
         the previous step's output after); positions [B, T].
         Returns (pre-norm hidden [B, T, H] to feed back, logits [B, T, Vd])."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)
-        out = self.midlayer(embeds, hidden, cos, sin, cache, key_padding)
+        out = self.midlayer(embeds, hidden, cos, sin, cache)
         return out, self.lm_head(self.norm(out))
 
 
@@ -272,7 +285,7 @@ def training_step(draft: Eagle3Draft, batch: dict, target_p: torch.Tensor, ttt_s
         tokens = shift_left(ids, 1 + k)  # [B, T] token i+1+k
         target_p = shift_left(p, 1 + k)  # [B, T, Vd] target's distribution for token i+2+k
         valid = shift_left(loss_mask, 2 + k).bool() & attn.bool()  # [B, T] token i+2+k is an assistant token
-        hidden, logits = draft.step(tokens, hidden, base_pos + k, cache, key_padding=attn)
+        hidden, logits = draft.step(tokens, hidden, base_pos + k, cache)
         loss_k = losses.soft_cross_entropy(logits, target_p, valid)
         metrics.loss = metrics.loss + (step_decay ** k) * loss_k
         metrics.step_loss.append(loss_k.detach())
@@ -312,4 +325,4 @@ def simulated_tau(acc: list[float]) -> float:
     return tau
 
 
-__all__ = ["Eagle3Config", "Eagle3Draft", "TTTModule", "training_step", "target_probs", "simulated_tau", "ttt_mask"]
+__all__ = ["Eagle3Config", "Eagle3Draft", "TTTModule", "training_step", "target_probs", "simulated_tau", "ttt_attention"]
