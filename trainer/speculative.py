@@ -1,0 +1,279 @@
+"""The in-tree speculative decoder: draft -> verify (greedy | rejection sampling) -> accept.
+
+One round: the draft proposes N tokens x_1..x_N with distributions q_1..q_N; the
+target scores [pending, x_1..x_N] in one forward, giving p_1..p_{N+1}; tokens are
+accepted left to right until the first rejection, where a token from the target's
+residual distribution is placed; when all N are accepted, a bonus token is drawn
+from p_{N+1}. Both caches then drop the rejected positions.
+
+Rejection sampling (Leviathan et al., 2023, "Fast Inference from Transformers via
+Speculative Decoding", Alg. 1; Chen et al., 2023): accept x with probability
+min(1, p(x)/q(x)); on rejection sample from norm(max(0, p - q)). The output
+distribution is exactly the target's. Greedy verification is its one-hot limit:
+accept x iff x = argmax p, else place argmax p.
+
+Batches: rows accept different numbers of tokens. Rejected slots become holes in
+the attention mask (never attended; positions come from the mask), and the
+trailing holes common to all rows are cropped from the caches, so with batch 1
+every rollback is an exact crop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """The distribution a sampler draws from: temperature, then top-k, then top-p. [..., V] -> [..., V]."""
+    logits = logits.float()
+    if s.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / s.temperature
+    if s.top_k > 0:
+        kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= s.top_p  # keep the smallest prefix with mass >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits.softmax(-1)
+
+
+def verify(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, greedy: bool,
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept/reject one round. p: [B, N+1, V] target; q: [B, N, V] draft; x: [B, N] proposed.
+
+    Returns (n_accepted [B], next_token [B]): the correction at the first rejection, or the bonus token.
+    """
+    B, N = x.shape
+    rows = torch.arange(B, device=x.device)
+    if greedy:
+        accept = x == p[:, :N].argmax(-1)  # [B, N]
+    else:
+        px = p[:, :N].gather(-1, x[..., None])[..., 0]  # p(x_k)
+        qx = q.gather(-1, x[..., None])[..., 0]  # q(x_k)
+        u = torch.rand(B, N, generator=generator, device=x.device)
+        accept = u * qx < px  # u < p/q, i.e. accept with probability min(1, p/q)
+    n = accept.long().cumprod(-1).sum(-1)  # [B] accepted before the first rejection
+    p_next = p[rows, n]  # [B, V]: p_{n+1}
+    if greedy:
+        return n, p_next.argmax(-1)
+    q_next = torch.cat([q, q.new_zeros(B, 1, p.shape[-1])], 1)[rows, n]  # zero past the last draft: bonus from p
+    residual = (p_next - q_next).clamp(min=0)  # max(0, p - q)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)  # p == q exactly: any is fine
+    return n, torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, N]
+    q: torch.Tensor | None = None  # [B, N, V] the draft's processed distributions; None: deterministic (one-hot)
+
+
+class Draft(Protocol):
+    """What the decoder needs of a draft. `sequences` are the rows' committed tokens
+    (prompt + generated, the pending token last); `aux` the target's aux hidden states
+    for the positions it just processed ([B, T, L*H], None if the draft asked for none)."""
+
+    aux_layer_ids: list[int]
+
+    def begin(self, sequences: list[list[int]], aux: torch.Tensor | None, mask: torch.Tensor) -> None: ...
+
+    def propose(self, sequences: list[list[int]], n: int, sampling: Sampling) -> Proposal: ...
+
+    def commit(self, sequences: list[list[int]], aux: torch.Tensor | None, keep: torch.Tensor) -> None: ...
+
+
+class TargetSession:
+    """The target with its KV cache for a batch of rows (left-padded prompts)."""
+
+    def __init__(self, target, aux_layer_ids=()):
+        self.target, self.aux_layer_ids = target, list(aux_layer_ids)
+
+    def prefill(self, prompts: list[list[int]]):
+        from transformers import DynamicCache
+
+        dev = self.target.device
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=dev)
+        self.mask = torch.zeros(len(prompts), width, dtype=torch.long, device=dev)  # [B, S] 1 = committed
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p, device=dev)
+            self.mask[r, width - len(p):] = 1
+        self.cache = DynamicCache(config=self.target.model.config)
+        # The last prompt token is "pending": the first verify feeds it. Prefill the rest.
+        self.mask = self.mask[:, :-1]
+        out = self._run(ids[:, :-1], self.mask) if width > 1 else None
+        return ids[:, -1], out
+
+    def _run(self, ids, mask):
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]  # positions from the mask, holes skipped
+        return self.target.forward(ids, mask, aux_layer_ids=self.aux_layer_ids, cache=self.cache,
+                                   position_ids=pos)
+
+    def verify(self, inputs: torch.Tensor):
+        """Score inputs [B, n+1] (pending token + n draft tokens) after the committed cache."""
+        self.mask = torch.cat([self.mask, torch.ones_like(inputs)], 1)
+        return self._run(inputs, self.mask)
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """keep [B, n+1]: which of the last verified slots stay. Rejected ones become holes;
+        holes at the end of every row are cropped from the cache."""
+        n1 = keep.shape[1]
+        self.mask[:, -n1:] = keep.long()
+        trailing = int((~keep).long().flip(-1).cumprod(-1).sum(-1).min())
+        if trailing:
+            self.cache.crop(-trailing)  # transformers 5: crop(-n) removes n tokens
+            self.mask = self.mask[:, :-trailing]
+
+
+@dataclass
+class DecodeStats:
+    num_draft_tokens: int
+    rounds: int = 0
+    accepted: int = 0  # draft tokens accepted
+    accepted_at: list[int] = field(default_factory=list)  # rounds in which position k was accepted (cumulative)
+    generated: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    def __post_init__(self):
+        self.accepted_at = self.accepted_at or [0] * self.num_draft_tokens
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted length, bonus token included (vLLM's "Mean acceptance length")."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def cumulative_acceptance(self) -> list[float]:
+        """P(positions 1..k all accepted), per position k."""
+        return [a / self.rounds if self.rounds else 0.0 for a in self.accepted_at]
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """P(position k accepted | positions < k accepted)."""
+        prev = [self.rounds] + self.accepted_at[:-1]
+        return [a / b if b else 0.0 for a, b in zip(self.accepted_at, prev)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.total_s if self.total_s else 0.0
+
+    def merge(self, other: DecodeStats) -> None:
+        for f in ("rounds", "accepted", "generated", "draft_s", "verify_s", "total_s"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+
+
+@torch.no_grad()
+def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft | None = None,
+             num_draft_tokens: int = 4, sampling: Sampling | None = None, eos_token_ids=(),
+             seed: int = 0) -> tuple[list[list[int]], DecodeStats]:
+    """Speculative decoding (or plain autoregressive decoding when `draft` is None).
+
+    Returns the generated tokens per row (eos included when produced) and the stats.
+    """
+    sampling = sampling or Sampling()
+    N = num_draft_tokens if draft is not None else 0
+    gen = torch.Generator(device=target.device).manual_seed(seed)
+    stats = DecodeStats(num_draft_tokens=N)
+    t_start = time.perf_counter()
+    session = TargetSession(target, draft.aux_layer_ids if draft is not None else ())
+    pending, out = session.prefill(prompts)
+    seqs = [list(p) for p in prompts]
+    if draft is not None:
+        draft.begin(seqs, out.aux_hidden_states if out is not None else None, session.mask)
+    eos = set(eos_token_ids)
+    new = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    B = len(prompts)
+    while not all(done):
+        t0 = time.perf_counter()
+        if N:
+            proposal = draft.propose(seqs, N, sampling)
+            x = proposal.tokens.to(target.device)  # [B, N]
+            q = proposal.q if proposal.q is not None else \
+                torch.nn.functional.one_hot(x, target.vocab_size).float()
+        else:
+            x = torch.zeros(B, 0, dtype=torch.long, device=target.device)
+            q = torch.zeros(B, 0, target.vocab_size, device=target.device)
+        t1 = time.perf_counter()
+        out = session.verify(torch.cat([pending[:, None], x], 1))  # [B, N+1]
+        p = processed_probs(out.logits, sampling)  # [B, N+1, V]
+        n, nxt = verify(p, q.to(p.device), x, sampling.greedy, gen)
+        keep = torch.arange(N + 1, device=x.device)[None] <= n[:, None]  # pending + accepted stay
+        session.commit(keep)
+        t2 = time.perf_counter()
+        for r in range(B):
+            if done[r]:
+                continue
+            k = int(n[r])
+            stats.rounds += 1
+            stats.accepted += k
+            for j in range(k):
+                stats.accepted_at[j] += 1
+            for t in [*x[r, :k].tolist(), int(nxt[r])]:
+                if done[r]:
+                    break
+                new[r].append(t)
+                done[r] = t in eos or len(new[r]) >= max_new_tokens
+        for r in range(B):
+            seqs[r] = seqs[r] + x[r, :int(n[r])].tolist() + [int(nxt[r])]
+        pending = nxt
+        if draft is not None:
+            draft.commit(seqs, out.aux_hidden_states, keep)
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+    stats.generated = sum(len(t) for t in new)
+    stats.total_s = time.perf_counter() - t_start
+    return new, stats
+
+
+class NGramDraft:
+    """Prompt lookup (Saxena, 2023; vLLM's `ngram` method): find the latest earlier
+    occurrence of the context's last n tokens (n from max_n down to min_n) and propose
+    the tokens that followed it. Needs no training: the baseline every draft must beat."""
+
+    aux_layer_ids: list[int] = []
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+
+    def begin(self, sequences, aux, mask) -> None:
+        pass
+
+    def commit(self, sequences, aux, keep) -> None:
+        pass
+
+    def propose(self, sequences, n: int, sampling: Sampling) -> Proposal:
+        rows = []
+        for seq in sequences:
+            rows.append(self._lookup(seq, n))
+        return Proposal(torch.tensor(rows, dtype=torch.long))
+
+    def _lookup(self, seq: list[int], n: int) -> list[int]:
+        for size in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
+            tail = seq[-size:]
+            for start in range(len(seq) - size - 1, -1, -1):  # latest match first
+                if seq[start:start + size] == tail:
+                    follow = seq[start + size:start + size + n]
+                    return follow + [follow[-1]] * (n - len(follow))
+        return [seq[-1]] * n  # no match: a guess that costs nothing
