@@ -2,6 +2,7 @@
 
     draftsmith prepare --config recipes/configs/smollm2-135m/prepare.yaml [key=value ...]
     draftsmith capture --config recipes/configs/smollm2-135m/capture.yaml [key=value ...]
+    draftsmith eval    --draft ngram --dataset gsm8k --num-draft-tokens 4 [--temperature T] [key=value ...]
     draftsmith demo    [key=value ...]
     draftsmith inspect-capture runs/demo/capture      (verify shard hashes, print the summary)
 
@@ -17,6 +18,7 @@ from recipes._common import one_line_errors
 COMMANDS = {
     "prepare": "tokenize chats with the target's template and an assistant loss mask",
     "capture": "capture multi-layer hidden states of the frozen target",
+    "eval": "measure a draft with the in-tree speculative decoder (τ, acceptance, speedup, best N)",
     "demo": "prepare + capture on the embedded SmolLM2 target",
     "inspect-capture": "verify a capture's shards against its manifest and print its summary",
 }
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         from recipes.prepare import main as run
     elif command == "capture":
         from recipes.capture import main as run
+    elif command == "eval":
+        from recipes.eval import main as run
     elif command == "demo":
         from recipes.demo import main as run
     elif command == "inspect-capture":

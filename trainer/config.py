@@ -259,4 +259,29 @@ class TrainConfig:
             raise ConfigError("aux_layer_ids is taken from the capture's manifest offline; set it only with online=true")
 
 
-SCHEMAS = {"prepare": PrepareConfig, "capture": CaptureConfig, "demo": DemoConfig, "eagle3": TrainConfig}
+@dataclass
+class EvalConfig:
+    """`draftsmith eval`: a draft measured by the in-tree decoder against in-tree autoregressive decoding."""
+
+    draft: str = "ngram"  # "ngram" (prompt lookup, no training) or a trained draft folder
+    target: str = DEFAULT_TARGET
+    dataset: str = "gsm8k"  # gsm8k | math500 | humaneval | mtbench | sharegpt | jsonl:PATH
+    num_prompts: int = 16
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 4  # vLLM's num_speculative_tokens
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    batch_size: int = 1
+    output_dir: str = "runs/eval"
+    seed: int = 0
+    overwrite: bool = True  # a report folder is a measurement: re-running replaces it
+
+    def validate(self) -> None:
+        if self.num_draft_tokens < 1 or self.num_prompts < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ConfigError("num_draft_tokens, num_prompts, max_new_tokens and batch_size must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
+
+
+SCHEMAS = {"prepare": PrepareConfig, "eval": EvalConfig, "capture": CaptureConfig, "demo": DemoConfig, "eagle3": TrainConfig}

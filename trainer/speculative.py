@@ -146,7 +146,8 @@ class TargetSession:
 @dataclass
 class DecodeStats:
     num_draft_tokens: int
-    rounds: int = 0
+    iterations: int = 0  # decoder loop iterations (one target forward each)
+    rounds: int = 0  # row-rounds: iterations x active rows
     accepted: int = 0  # draft tokens accepted
     accepted_at: list[int] = field(default_factory=list)  # rounds in which position k was accepted (cumulative)
     generated: int = 0
@@ -178,7 +179,7 @@ class DecodeStats:
         return self.generated / self.total_s if self.total_s else 0.0
 
     def merge(self, other: DecodeStats) -> None:
-        for f in ("rounds", "accepted", "generated", "draft_s", "verify_s", "total_s"):
+        for f in ("iterations", "rounds", "accepted", "generated", "draft_s", "verify_s", "total_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
 
@@ -240,6 +241,7 @@ def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft
         pending = nxt
         if draft is not None:
             draft.commit(seqs, out.aux_hidden_states, keep)
+        stats.iterations += 1
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
     stats.generated = sum(len(t) for t in new)

@@ -34,13 +34,16 @@ def _jsonl(path: Path):
 
 
 def _first_user_turn(record) -> str | None:
-    from trainer.data.chat import BadRecord, normalize
+    from trainer.data.chat import ROLE_ALIASES
 
-    try:
-        messages = normalize(record)
-    except BadRecord:
-        return None
-    return next((m["content"] for m in messages if m["role"] == "user"), None)
+    turns = record.get("messages", record.get("conversations")) if isinstance(record, dict) else None
+    for turn in turns if isinstance(turns, list) else []:
+        if not isinstance(turn, dict):
+            return None
+        role, content = turn.get("role", turn.get("from")), turn.get("content", turn.get("value"))
+        if isinstance(role, str) and ROLE_ALIASES.get(role.lower()) == "user":
+            return content if isinstance(content, str) and content.strip() else None
+    return None
 
 
 def load_prompts(dataset: str, limit: int | None = None) -> list[str]:

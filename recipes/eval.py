@@ -1,0 +1,153 @@
+"""Measure a draft with the in-tree lossless speculative decoder: τ, per-position
+acceptance, draft vs verify time, tokens/s, speedup over in-tree autoregressive
+decoding on the same prompts, and the best num_speculative_tokens.
+
+    draftsmith eval --target smollm2-135m-instruct --draft ngram --dataset gsm8k --num-draft-tokens 4
+    draftsmith eval --draft runs/smollm2-135m/eagle3 --dataset humaneval --temperature 0.7 num_prompts=8
+    python recipes/eval.py --config recipes/configs/smollm2-135m/eval.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from recipes._common import one_line_errors
+from trainer.config import EvalConfig, load_config, to_yaml
+from trainer.errors import DraftsmithError
+from trainer.io import atomic_write_json, write_run_files
+
+FLAGS = {"--target": "target", "--draft": "draft", "--dataset": "dataset", "--num-draft-tokens": "num_draft_tokens",
+         "--temperature": "temperature", "--top-p": "top_p", "--top-k": "top_k", "--num-prompts": "num_prompts",
+         "--max-new-tokens": "max_new_tokens", "--batch-size": "batch_size", "--output-dir": "output_dir"}
+
+
+def make_draft(cfg: EvalConfig, target):
+    from trainer.drafts import load_draft
+    from trainer.drafts.eagle3 import Eagle3Proposer
+    from trainer.speculative import NGramDraft
+
+    if cfg.draft == "ngram":
+        return NGramDraft(), "ngram (prompt lookup)"
+    if not Path(cfg.draft).is_dir():
+        raise DraftsmithError(f"draft '{cfg.draft}' is neither 'ngram' nor a trained draft folder")
+    return Eagle3Proposer(load_draft(cfg.draft, target)), f"eagle3 ({cfg.draft})"
+
+
+def run(cfg: EvalConfig, argv=None) -> dict:
+    from trainer.data.evalsets import load_prompts
+    from trainer.metrics import CostModel, best_num_draft_tokens
+    from trainer.speculative import DecodeStats, Sampling, generate
+    from trainer.target import load_target
+
+    target = load_target(cfg.target)
+    draft, draft_name = make_draft(cfg, target)
+    tok = target.tokenizer
+    texts = load_prompts(cfg.dataset, cfg.num_prompts)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       tokenize=True)["input_ids"] for t in texts]
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+    eos = [tok.eos_token_id]
+    ar, sp = DecodeStats(0), DecodeStats(cfg.num_draft_tokens)
+    from tqdm.auto import tqdm
+
+    for b in tqdm(range(0, len(prompts), cfg.batch_size), desc="eval", unit="batch"):
+        batch = prompts[b:b + cfg.batch_size]
+        _, s0 = generate(target, batch, cfg.max_new_tokens, None, sampling=sampling, eos_token_ids=eos,
+                         seed=cfg.seed + b)
+        _, s1 = generate(target, batch, cfg.max_new_tokens, draft, cfg.num_draft_tokens, sampling, eos,
+                         seed=cfg.seed + b)
+        ar.merge(s0)
+        sp.merge(s1)
+    N = cfg.num_draft_tokens
+    cost = CostModel(draft_per_token=sp.draft_s / max(sp.iterations * N, 1),
+                     verify_one=ar.verify_s / max(ar.iterations, 1),
+                     verify_max=sp.verify_s / max(sp.iterations, 1), n_max=N)
+    best = best_num_draft_tokens(sp.cumulative_acceptance, sp.conditional_acceptance, cost)
+    report = {
+        "target": target.name, "target_sha256": target.content_hash, "draft": draft_name,
+        "dataset": cfg.dataset, "prompts": len(prompts), "num_draft_tokens": N,
+        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k},
+        "tau": sp.tau, "cumulative_acceptance": sp.cumulative_acceptance,
+        "conditional_acceptance": sp.conditional_acceptance,
+        "speculative": {"tokens": sp.generated, "seconds": sp.total_s, "tokens_per_s": sp.tokens_per_s,
+                        "draft_s": sp.draft_s, "verify_s": sp.verify_s, "rounds": sp.rounds},
+        "autoregressive": {"tokens": ar.generated, "seconds": ar.total_s, "tokens_per_s": ar.tokens_per_s},
+        "speedup": sp.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0,
+        "best_num_draft_tokens": best,
+    }
+    out = Path(cfg.output_dir)
+    if out.exists() and not cfg.overwrite and any(out.iterdir()):
+        raise DraftsmithError(f"output_dir '{out}' exists; pass overwrite=true to replace its report")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "report.json", report)
+    plot(report, out / "acceptance.png")
+    write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
+                                        "seed": cfg.seed}, argv)
+    return report
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    pos = list(range(1, report["num_draft_tokens"] + 1))
+    a.bar([p - 0.2 for p in pos], report["conditional_acceptance"], width=0.4, label="conditional")
+    a.bar([p + 0.2 for p in pos], report["cumulative_acceptance"], width=0.4, label="cumulative")
+    a.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1), xticks=pos,
+          title=f"{report['draft']} on {report['dataset']}: τ = {report['tau']:.2f}")
+    a.legend()
+    curve = report["best_num_draft_tokens"]["curve"]
+    b.plot([c["n"] for c in curve], [c["expected_tau"] for c in curve], marker="o", label="expected τ")
+    b2 = b.twinx()
+    b2.plot([c["n"] for c in curve], [c["tokens_per_s"] for c in curve], marker="s", color="C1",
+            label="expected tokens/s")
+    b.set(xlabel="num_speculative_tokens", ylabel="τ", title=f"best N = {report['best_num_draft_tokens']['best_n']}")
+    b2.set_ylabel("tokens/s")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def format_report(r: dict) -> str:
+    best = r["best_num_draft_tokens"]
+    rows = [f"{r['draft']} on {r['dataset']} ({r['prompts']} prompts), target {r['target']}, "
+            f"N={r['num_draft_tokens']}, temperature {r['sampling']['temperature']}",
+            f"  τ (mean accepted length, bonus included)  {r['tau']:.3f}",
+            "  position      " + " ".join(f"{k:>6}" for k in range(1, r["num_draft_tokens"] + 1)),
+            "  conditional   " + " ".join(f"{a:6.3f}" for a in r["conditional_acceptance"]),
+            "  cumulative    " + " ".join(f"{a:6.3f}" for a in r["cumulative_acceptance"]),
+            f"  tokens/s: speculative {r['speculative']['tokens_per_s']:.1f}, autoregressive "
+            f"{r['autoregressive']['tokens_per_s']:.1f}, speedup {r['speedup']:.2f}x "
+            f"(draft {r['speculative']['draft_s']:.1f} s, verify {r['speculative']['verify_s']:.1f} s)",
+            "  expected tokens/s by N: " + ", ".join(f"{c['n']}: {c['tokens_per_s']:.1f}" for c in best["curve"]),
+            f"  best num_speculative_tokens: {best['best_n']}"
+            + (f"; acceptance collapses at position {best['collapse_position']}" if best["collapse_position"] else "")]
+    return "\n".join(rows)
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config")
+    for flag in FLAGS:
+        ap.add_argument(flag)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    overrides = [f"{key}={getattr(args, flag[2:].replace('-', '_'))}" for flag, key in FLAGS.items()
+                 if getattr(args, flag[2:].replace("-", "_")) is not None] + args.overrides
+    cfg = load_config(EvalConfig, args.config, overrides)
+    report = run(cfg, argv)
+    print(format_report(report))
+    print(f"  written to {cfg.output_dir}/report.json and acceptance.png")
+
+
+if __name__ == "__main__":
+    main()

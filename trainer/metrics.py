@@ -1,0 +1,42 @@
+"""Speculative-decoding metrics: τ, per-position acceptance, and the best number of
+draft tokens from measured acceptance and measured costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def expected_accepted_length(cumulative: list[float], n: int) -> float:
+    """E[tokens per round] with n draft tokens = 1 + Σ_{k<=n} P(positions 1..k accepted)
+    (Leviathan et al., 2023, §3.4; the 1 is the correction/bonus token)."""
+    return 1.0 + sum(cumulative[:n])
+
+
+@dataclass
+class CostModel:
+    """Seconds per round: draft_per_token * n + verify(n), verify linear in the tokens scored,
+    fitted through the two measured points (1 token: autoregressive; n_max + 1: speculative)."""
+
+    draft_per_token: float
+    verify_one: float
+    verify_max: float
+    n_max: int
+
+    def round_seconds(self, n: int) -> float:
+        slope = (self.verify_max - self.verify_one) / self.n_max if self.n_max else 0.0
+        return self.draft_per_token * n + self.verify_one + slope * n
+
+
+def best_num_draft_tokens(cumulative: list[float], conditional: list[float], cost: CostModel) -> dict:
+    """Expected tokens/s for each n in 0..n_max (n = 0 is plain decoding), the best n, and
+    the first position where acceptance collapses (conditional acceptance below half of
+    position 1's, or below 0.1)."""
+    curve = []
+    for n in range(len(cumulative) + 1):
+        tokens = expected_accepted_length(cumulative, n)
+        curve.append({"n": n, "expected_tau": tokens, "tokens_per_s": tokens / cost.round_seconds(n)})
+    best = max(curve, key=lambda c: c["tokens_per_s"])
+    collapse = next((k + 1 for k, a in enumerate(conditional)
+                     if a < 0.1 or (k > 0 and a < 0.5 * conditional[0])), None)
+    return {"curve": curve, "best_n": best["n"], "best_tokens_per_s": best["tokens_per_s"],
+            "collapse_position": collapse}
