@@ -135,8 +135,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     draft = algo.Eagle3Draft(draft_cfg, target.backbone.embed_tokens)
     draft.set_vocab(d2t, t2d)
     model = algo.TTTModule(draft, cfg.ttt_steps, cfg.step_decay)
-    if cfg.gradient_checkpointing:
-        draft.midlayer = _checkpointed(draft.midlayer)
+    draft.gradient_checkpointing = cfg.gradient_checkpointing
 
     generator = torch.Generator().manual_seed(cfg.seed)
     loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate, generator=generator)
@@ -242,18 +241,6 @@ def _checkpoint_dir(out: Path, resume: str) -> str:
     if not ckpts:
         raise DraftsmithError(f"resume=latest but '{out}/checkpoints' holds no checkpoint; drop resume to start fresh")
     return str(ckpts[-1])
-
-
-def _checkpointed(module):
-    from torch.utils.checkpoint import checkpoint
-
-    forward = module.forward
-
-    def wrapped(*args):
-        return checkpoint(forward, *args, use_reentrant=False)
-
-    module.forward = wrapped
-    return module
 
 
 class _Window:

@@ -177,3 +177,16 @@ def test_eagle3_proposer_is_lossless_and_matches_training_step0():
     hidden = d.fc(full.aux_hidden_states)
     _, logits = d.step(ids, hidden, torch.arange(len(seq))[None], [])
     torch.testing.assert_close(first[0], logits[0, len(seq) - 2], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_greedy_speculative_equals_greedy_smollm2_fp32(smollm2):
+    tok = smollm2.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                       tokenize=True)["input_ids"]
+               for c in ("Write a Python function that adds two numbers.", "What is 12 times 7?")]
+    ar, _ = generate(smollm2, prompts, 24, eos_token_ids=[tok.eos_token_id])
+    for n in (2, 5):
+        out, stats = generate(smollm2, prompts, 24, NGramDraft(), num_draft_tokens=n, eos_token_ids=[tok.eos_token_id])
+        assert out == ar, n
+        assert stats.rounds > 0

@@ -65,6 +65,15 @@ def test_batch_of_8_equals_8_accumulated_batches_of_1(tmp_path, tiny_capture, ti
         torch.testing.assert_close(wa[k], wb[k], atol=2e-6, rtol=1e-5, msg=k)
 
 
+def test_gradient_checkpointing_changes_memory_not_results(tmp_path, tiny_capture, tiny_target_dir):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train.run(_cfg(tiny_capture, tiny_target_dir, a, "max_steps=2"))
+    train.run(_cfg(tiny_capture, tiny_target_dir, b, "max_steps=2", "gradient_checkpointing=true"))
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
 def _launch(args, env=None, launcher=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = (launcher or [sys.executable]) + [str(REPO / "recipes" / "train.py"), *args]

@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from trainer import losses
+from trainer.errors import ConfigError
 
 
 @dataclass
@@ -218,11 +220,15 @@ class MidLayer(nn.Module):
             hidden = self.hidden_norm(hidden)
         return torch.cat([self.input_layernorm(embeds), hidden], dim=-1), residual
 
-    def forward(self, embeds, hidden, cos, sin, cache):
-        """Training: embeds, hidden [B, T, H] -> the layer's output residual stream [B, T, H]."""
+    def forward(self, embeds, hidden, cos, sin, cache, checkpoint: bool = False):
+        """Training: embeds, hidden [B, T, H] -> the layer's output residual stream [B, T, H].
+        `checkpoint` recomputes the MLP in backward instead of storing its [B, T, I] activations
+        (attention is not recomputed: it appends to the TTT cache)."""
         x, residual = self._inputs(embeds, hidden)
         residual = residual + self.self_attn(x, cos, sin, cache)
-        return residual + self.mlp(self.post_attention_layernorm(residual))
+        mlp = lambda r: self.mlp(self.post_attention_layernorm(r))  # noqa: E731
+        return residual + (torch.utils.checkpoint.checkpoint(mlp, residual, use_reentrant=False) if checkpoint
+                           else mlp(residual))
 
     def infer(self, embeds, hidden, cos, sin, past, allowed):
         x, residual = self._inputs(embeds, hidden)
@@ -235,7 +241,7 @@ class Eagle3Draft(nn.Module):
     def __init__(self, cfg: Eagle3Config, embed_tokens: nn.Embedding | None = None):
         super().__init__()
         if cfg.hidden_size != cfg.target_hidden_size:
-            raise ValueError(f"EAGLE-3 draft hidden_size {cfg.hidden_size} must equal the target's "
+            raise ConfigError(f"EAGLE-3 draft hidden_size {cfg.hidden_size} must equal the target's "
                              f"{cfg.target_hidden_size}: the draft shares the target's embedding")
         self.config = cfg
         H = cfg.hidden_size
@@ -246,6 +252,7 @@ class Eagle3Draft(nn.Module):
         self.rotary = Rotary(cfg)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        self.gradient_checkpointing = False  # recompute the MLP and the LM head in backward
         # The target's embedding: frozen, outside this module's parameters and state dict.
         self._embed = [embed_tokens]
 
@@ -267,8 +274,10 @@ class Eagle3Draft(nn.Module):
         Returns (pre-norm hidden [B, T, H] to feed back, logits [B, T, Vd])."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)
-        out = self.midlayer(embeds, hidden, cos, sin, cache)
-        return out, self.lm_head(self.norm(out))
+        ckpt = self.gradient_checkpointing and self.training
+        out = self.midlayer(embeds, hidden, cos, sin, cache, checkpoint=ckpt)
+        head = lambda h: self.lm_head(self.norm(h))  # noqa: E731
+        return out, (torch.utils.checkpoint.checkpoint(head, out, use_reentrant=False) if ckpt else head(out))
 
 
 class Eagle3Proposer:
