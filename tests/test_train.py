@@ -13,8 +13,7 @@ from safetensors.torch import load_file
 from recipes import capture, prepare, train
 from tests.conftest import REPO
 from trainer import faults
-from trainer.config import CaptureConfig, PrepareConfig, load_config
-from trainer.config import TrainConfig
+from trainer.config import CaptureConfig, PrepareConfig, TrainConfig, load_config
 from trainer.errors import DraftsmithError
 
 TINY = REPO / "recipes" / "configs" / "tiny" / "eagle3.yaml"
