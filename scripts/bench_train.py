@@ -26,10 +26,10 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.0, "MI325X": 1307.0,
 
 def draft_flops_per_token(cfg: Eagle3Config, T: int, K: int) -> float:
     """fwd+bwd FLOPs per token for K TTT steps (matmuls: 2 per MAC, x3 for backward)."""
-    H, I, hd, nh, nkv, Vd = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads,
+    H, inter, hd, nh, nkv, Vd = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads,
                              cfg.num_key_value_heads, cfg.draft_vocab_size)
     fc = 3 * cfg.target_hidden_size * H
-    layer = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I
+    layer = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * inter
     head = H * Vd
     attn = [nh * hd * 2 * (T / 2 if k == 0 else T + k) for k in range(K)]  # QK^T and PV per query
     return 6.0 * (fc + K * (layer + head) + sum(attn))
