@@ -27,6 +27,7 @@ from trainer import faults
 from trainer.config import TrainConfig, to_yaml
 from trainer.data.collate import CapturedSamples, PreparedSamples, collate
 from trainer.data.shards import DRAFT_VOCAB, load_manifest
+from trainer.dist import check_world_size
 from trainer.drafts import DRAFTS
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, write_run_files
@@ -70,9 +71,7 @@ def make_accelerator(cfg: TrainConfig, out: Path):
         # DeepSpeed and DDP on the CPU need the gloo backend (and a single process none).
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if on_cpu and expected > 1 else [],
     )
-    if accelerator.num_processes != expected:
-        raise DraftsmithError(f"launcher asked for {expected} processes but {accelerator.num_processes} joined; on CPU "
-                              "use `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N`")
+    check_world_size(accelerator.num_processes)
     return accelerator
 
 
@@ -181,7 +180,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            window.add(metrics, int(batch["attention_mask"].sum()))
+            window.add(metrics)
             tokens += int(batch["attention_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
@@ -254,7 +253,7 @@ class _Window:
         self.loss, self.n = 0.0, 0
         self.correct, self.count = torch.zeros(self.k), torch.zeros(self.k)
 
-    def add(self, m, _tokens):
+    def add(self, m):
         self.loss += float(m.loss.detach())
         self.n += 1
         self.correct += torch.stack([c.detach().float().cpu() for c in m.step_correct])

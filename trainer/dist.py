@@ -19,18 +19,23 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
+def check_world_size(joined: int) -> None:
+    """The processes that joined must be the ones the launcher started (WORLD_SIZE)."""
+    expected = int(os.environ.get("WORLD_SIZE", "1"))
+    if joined != expected:
+        raise DraftsmithError(
+            f"launcher asked for {expected} processes but {joined} joined; on CPU use "
+            "`ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N` "
+            "(`--cpu --num_processes N` starts one process)"
+        )
+
+
 def process_state():
     from accelerate import PartialState
 
     on_cpu = _flag("ACCELERATE_USE_CPU") or not (torch.cuda.is_available() or torch.xpu.is_available())
     state = PartialState(cpu=on_cpu)
-    expected = int(os.environ.get("WORLD_SIZE", "1"))
-    if state.num_processes != expected:
-        raise DraftsmithError(
-            f"launcher asked for {expected} processes but {state.num_processes} joined; on CPU use "
-            "`ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N` "
-            "(`--cpu --num_processes N` starts one process)"
-        )
+    check_world_size(state.num_processes)
     if state.device.type == "cpu" and state.num_processes > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // state.num_processes))
     return state
