@@ -27,7 +27,7 @@ from trainer import faults
 from trainer.config import TrainConfig, to_yaml
 from trainer.data.collate import CapturedSamples, PreparedSamples, collate
 from trainer.data.shards import DRAFT_VOCAB, load_manifest
-from trainer.dist import check_world_size
+from trainer.dist import check_world_size, flag
 from trainer.drafts import DRAFTS
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, write_run_files
@@ -51,8 +51,8 @@ def make_accelerator(cfg: TrainConfig, out: Path):
     from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
     from accelerate.utils import ProjectConfiguration
 
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-    on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not torch.cuda.is_available()
+    deepspeed = flag("ACCELERATE_USE_DEEPSPEED")
+    on_cpu = flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     precision = ("bf16" if not on_cpu else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
     try:
@@ -154,7 +154,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                                                          if isinstance(v, (int, float, str, bool))})
 
     draft_ids = draft.draft_to_target().to(accelerator.device)
-    window = _Window(cfg.ttt_steps)
+    window = _Window(cfg.ttt_steps, accelerator.device)
     history = []
     bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step",
                disable=not accelerator.is_local_main_process)
@@ -180,16 +180,16 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            window.add(metrics)
-            tokens += int(batch["attention_mask"].sum())
+            window.add(metrics, batch["attention_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
             progress.step += 1
             bar.update(1)
             if progress.step % cfg.log_every == 0 or progress.step == total_steps:
-                stats = window.reduce(accelerator)
+                stats = window.reduce(accelerator)  # tokens: all processes, since the last log line
+                tokens += stats.pop("tokens")
                 stats.update(step=progress.step, lr=scheduler.get_last_lr()[0],
-                             tokens_per_s=tokens * accelerator.num_processes / (time.perf_counter() - t0))
+                             tokens_per_s=tokens / (time.perf_counter() - t0))
                 history.append(stats)
                 accelerator.log({k: v for k, v in stats.items() if not isinstance(v, list)}, step=progress.step)
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau']:.2f}",
@@ -243,31 +243,30 @@ def _checkpoint_dir(out: Path, resume: str) -> str:
 
 
 class _Window:
-    """Sums of loss/accuracy per TTT step since the last log line."""
+    """Sums since the last log line, kept on the device: [loss, micro-batches, tokens,
+    correct per TTT step, counted per TTT step]. The host reads them only when logging,
+    so the loop has no sync per micro-batch."""
 
-    def __init__(self, k: int):
-        self.k = k
+    def __init__(self, k: int, device):
+        self.k, self.device = k, device
         self.reset()
 
     def reset(self):
-        self.loss, self.n = 0.0, 0
-        self.correct, self.count = torch.zeros(self.k), torch.zeros(self.k)
+        self.sums = torch.zeros(3 + 2 * self.k, device=self.device)
 
-    def add(self, m):
-        self.loss += float(m.loss.detach())
-        self.n += 1
-        self.correct += torch.stack([c.detach().float().cpu() for c in m.step_correct])
-        self.count += torch.stack([c.detach().float().cpu() for c in m.step_count])
+    def add(self, m, tokens: torch.Tensor):
+        self.sums += torch.cat([torch.stack([m.loss.detach().float(), torch.ones((), device=self.device),
+                                             tokens.float()]),
+                                torch.stack(m.step_correct).float(), torch.stack(m.step_count).float()])
 
     def reduce(self, accelerator) -> dict:
         from trainer.drafts.eagle3 import simulated_tau
 
-        packed = torch.cat([torch.tensor([self.loss, float(self.n)]), self.correct, self.count]).to(accelerator.device)
-        packed = accelerator.reduce(packed, reduction="sum").cpu()
-        loss, n = float(packed[0]), float(packed[1])
-        acc = (packed[2:2 + self.k] / packed[2 + self.k:].clamp(min=1)).tolist()
+        packed = accelerator.reduce(self.sums, reduction="sum").cpu()
+        loss, n, tokens = packed[:3].tolist()
+        acc = (packed[3:3 + self.k] / packed[3 + self.k:].clamp(min=1)).tolist()
         self.reset()
-        return {"loss": loss / max(n, 1), "acc": acc, "tau": simulated_tau(acc)}
+        return {"loss": loss / max(n, 1), "acc": acc, "tau": simulated_tau(acc), "tokens": tokens}
 
 
 def format_report(r: dict) -> str:

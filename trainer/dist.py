@@ -15,7 +15,7 @@ import torch
 from trainer.errors import DraftsmithError
 
 
-def _flag(name: str) -> bool:
+def flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
@@ -33,7 +33,7 @@ def check_world_size(joined: int) -> None:
 def process_state():
     from accelerate import PartialState
 
-    on_cpu = _flag("ACCELERATE_USE_CPU") or not (torch.cuda.is_available() or torch.xpu.is_available())
+    on_cpu = flag("ACCELERATE_USE_CPU") or not (torch.cuda.is_available() or torch.xpu.is_available())
     state = PartialState(cpu=on_cpu)
     check_world_size(state.num_processes)
     if state.device.type == "cpu" and state.num_processes > 1 and "OMP_NUM_THREADS" not in os.environ:
