@@ -76,6 +76,22 @@ def main() -> None:
         print(f"  {name:40s} {tps:7.1f} tokens/s  x{tps / base:5.2f} vs HF generate"
               + (f"  τ {tau:.2f}" if tau else ""))
     print("  HF assisted generation: not applicable (no smaller model with SmolLM2's tokenizer is packaged)")
+    # What speculation can gain here: one target forward over N+1 tokens vs over 1 token.
+    from trainer.speculative import TargetSession
+
+    cost = {}
+    for n in (1, N + 1):
+        session = TargetSession(target)
+        pending, _ = session.prefill([prompts[0]])
+        times = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            session.verify(pending[:, None].expand(1, n).contiguous())
+            times.append(time.perf_counter() - t0)
+            session.commit(torch.zeros(1, n, dtype=torch.bool))  # roll back: every run sees the same cache
+        cost[n] = sorted(times)[len(times) // 2]
+    print(f"  target forward: {1000 * cost[1]:.0f} ms for 1 token, {1000 * cost[N + 1]:.0f} ms for {N + 1} tokens "
+          f"(x{cost[N + 1] / cost[1]:.2f}): a draft must reach τ > {cost[N + 1] / cost[1]:.2f} to gain")
     ar = rows["in-tree autoregressive"][0]
     print(f"in-tree autoregressive / HF generate = {ar / base:.3f} (goal >= 0.90)")
     for name, (tps, _) in rows.items():
