@@ -154,6 +154,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                                                          if isinstance(v, (int, float, str, bool))})
 
     draft_ids = draft.draft_to_target().to(accelerator.device)
+    t2d = draft.t2d.to(accelerator.device)  # [V] bool: target id in the draft vocabulary
     window = _Window(cfg.ttt_steps, accelerator.device)
     history = []
     bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step",
@@ -172,6 +173,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                 batch.update(capture_batch(target, batch["input_ids"], batch["attention_mask"], aux_ids))
             with accelerator.accumulate(model):
                 target_p = algo.target_probs(target, batch["last_hidden_state"], draft_ids)
+                batch["target_top_in_vocab"] = algo.target_top_in_vocab(target, batch["last_hidden_state"], t2d)
                 with accelerator.autocast():
                     metrics = model(batch, target_p)
                 accelerator.backward(metrics.loss)

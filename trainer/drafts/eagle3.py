@@ -391,6 +391,7 @@ def training_step(draft: Eagle3Draft, batch: dict, target_p: torch.Tensor, ttt_s
     distribution is the target's at position i+1+k. Positions (RoPE) are i+k.
     """
     ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    in_vocab = batch.get("target_top_in_vocab")  # [B, T] bool, optional (see `target_top_in_vocab`)
     B, T = ids.shape
     p = target_p
     hidden = draft.fc(batch["aux_hidden_states"].to(draft.fc.weight.dtype))  # [B, T, H]
@@ -407,6 +408,8 @@ def training_step(draft: Eagle3Draft, batch: dict, target_p: torch.Tensor, ttt_s
         metrics.step_loss.append(loss_k.detach())
         with torch.no_grad():
             correct = (logits.argmax(-1) == target_p.argmax(-1)) & valid
+            if in_vocab is not None:  # the target's top token outside the draft vocab: a sure reject
+                correct &= shift_left(in_vocab, 1 + k)
         metrics.step_correct.append(correct.sum())
         metrics.step_count.append(valid.sum())
     return metrics
@@ -419,6 +422,19 @@ def target_probs(target, last_hidden_state: torch.Tensor, draft_ids: torch.Tenso
     numbers as slicing the full logits without the [.., V] matmul. [B, T, Ht] -> [B, T, Vd]."""
     h = target.backbone.norm(last_hidden_state.to(target.dtype))
     return F.linear(h, target.model.lm_head.weight[draft_ids]).float().softmax(-1)
+
+
+@torch.no_grad()
+def target_top_in_vocab(target, last_hidden_state: torch.Tensor, t2d: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """[B, T, Ht] -> [B, T] bool: is the target's greedy next token (argmax over its full
+    vocabulary) inside the draft vocabulary? Where it is not, no draft token can be
+    accepted under greedy verification, so accuracy must count a miss there even when the
+    draft matches the argmax of the restricted distribution. Chunked over T: [B, chunk, V]."""
+    out = []
+    for h in last_hidden_state.split(chunk, dim=1):
+        logits = target.model.lm_head(target.backbone.norm(h.to(target.dtype)))  # [B, t, V]
+        out.append(t2d[logits.argmax(-1)])
+    return torch.cat(out, dim=1)
 
 
 class TTTModule(nn.Module):
@@ -441,4 +457,4 @@ def simulated_tau(acc: list[float]) -> float:
     return tau
 
 
-__all__ = ["Eagle3Config", "Eagle3Draft", "TTTModule", "training_step", "target_probs", "simulated_tau", "ttt_attention"]
+__all__ = ["Eagle3Config", "Eagle3Draft", "TTTModule", "training_step", "target_probs", "target_top_in_vocab", "simulated_tau", "ttt_attention"]
