@@ -3,6 +3,8 @@
     draftsmith prepare --config recipes/configs/smollm2-135m/prepare.yaml [key=value ...]
     draftsmith capture --config recipes/configs/smollm2-135m/capture.yaml [key=value ...]
     draftsmith eval    --draft ngram --dataset gsm8k --num-draft-tokens 4 [--temperature T] [key=value ...]
+    draftsmith export  --draft runs/demo/eagle3 --output-dir runs/demo/export-fp8 [--quantize fp8] [--overwrite]
+    draftsmith upload  runs/demo/export-fp8 --repo me/name --dry-run   (then without --dry-run)
     draftsmith demo    [key=value ...]
     draftsmith inspect-capture runs/demo/capture      (verify shard hashes, print the summary)
 
@@ -19,7 +21,9 @@ COMMANDS = {
     "prepare": "tokenize chats with the target's template and an assistant loss mask",
     "capture": "capture multi-layer hidden states of the frozen target",
     "eval": "measure a draft with the in-tree speculative decoder (τ, acceptance, speedup, best N)",
-    "demo": "prepare + capture on the embedded SmolLM2 target",
+    "export": "write a trained draft as a vLLM draft folder, BF16 or FP8 (AMD Quark), FP8 gated on τ",
+    "upload": "publish an export to the Hugging Face Hub with a model card of its measured numbers",
+    "demo": "prepare -> capture -> train -> export BF16 + FP8 -> eval, on the embedded SmolLM2 target",
     "inspect-capture": "verify a capture's shards against its manifest and print its summary",
 }
 
@@ -49,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
         from recipes.capture import main as run
     elif command == "eval":
         from recipes.eval import main as run
+    elif command == "export":
+        from recipes.export import main as run
+    elif command == "upload":
+        from recipes.upload import main as run
     elif command == "demo":
         from recipes.demo import main as run
     elif command == "inspect-capture":

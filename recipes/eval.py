@@ -4,6 +4,7 @@ decoding on the same prompts, and the best num_speculative_tokens.
 
     draftsmith eval --target smollm2-135m-instruct --draft ngram --dataset gsm8k --num-draft-tokens 4
     draftsmith eval --draft runs/smollm2-135m/eagle3 --dataset humaneval --temperature 0.7 num_prompts=8
+    draftsmith eval --draft runs/demo/export-fp8 --dataset mtbench      (an export: BF16, or FP8 simulated)
     python recipes/eval.py --config recipes/configs/smollm2-135m/eval.yaml
 """
 
@@ -24,6 +25,7 @@ FLAGS = {"--target": "target", "--draft": "draft", "--dataset": "dataset", "--nu
 
 
 def make_draft(cfg: EvalConfig, target):
+    from export import formats
     from trainer.drafts import load_draft
     from trainer.drafts.eagle3 import Eagle3Proposer
     from trainer.speculative import NGramDraft
@@ -31,7 +33,11 @@ def make_draft(cfg: EvalConfig, target):
     if cfg.draft == "ngram":
         return NGramDraft(), "ngram (prompt lookup)"
     if not Path(cfg.draft).is_dir():
-        raise DraftsmithError(f"draft '{cfg.draft}' is neither 'ngram' nor a trained draft folder")
+        raise DraftsmithError(f"draft '{cfg.draft}' is neither 'ngram', a trained draft folder nor an export")
+    if (Path(cfg.draft) / formats.EXPORT_MANIFEST).is_file():  # an export: BF16, or FP8 simulated
+        manifest = formats.read_export(cfg.draft)[0]
+        kind = f"FP8 {manifest['quantization']['scheme']}" if manifest.get("quantization") else manifest["dtype"]
+        return Eagle3Proposer(formats.load_export(cfg.draft, target)), f"eagle3 {kind} ({cfg.draft})"
     return Eagle3Proposer(load_draft(cfg.draft, target)), f"eagle3 ({cfg.draft})"
 
 

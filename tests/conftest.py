@@ -104,3 +104,18 @@ def smollm2():
     from trainer.target import load_target
 
     return load_target("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_capture(tmp_path_factory, tiny_target_dir):
+    """GOOD_CHATS x4 prepared and captured on the tiny target (16 samples, Vd 64)."""
+    from recipes import capture, prepare
+    from trainer.config import CaptureConfig, PrepareConfig
+
+    d = tmp_path_factory.mktemp("train-data")
+    src = write_jsonl(d / "chats.jsonl", GOOD_CHATS * 4)
+    prepare.run(PrepareConfig(output_dir=str(d / "prepared"), target=str(tiny_target_dir), source=str(src),
+                              max_length=256))
+    capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), target=str(tiny_target_dir),
+                              samples_per_shard=8, draft_vocab_size=64, store_dtype="float32"))
+    return d / "capture"

@@ -10,26 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from recipes import capture, prepare, train
+from recipes import train
 from tests.conftest import REPO
 from trainer import faults
-from trainer.config import CaptureConfig, PrepareConfig, TrainConfig, load_config
+from trainer.config import TrainConfig, load_config
 from trainer.errors import DraftsmithError
 
 TINY = REPO / "recipes" / "configs" / "tiny" / "eagle3.yaml"
-
-
-@pytest.fixture(scope="module")
-def tiny_capture(tmp_path_factory, tiny_target_dir):
-    from tests.conftest import GOOD_CHATS, write_jsonl
-
-    d = tmp_path_factory.mktemp("train-data")
-    src = write_jsonl(d / "chats.jsonl", GOOD_CHATS * 4)  # 16 samples
-    prepare.run(PrepareConfig(output_dir=str(d / "prepared"), target=str(tiny_target_dir), source=str(src),
-                              max_length=256))
-    capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), target=str(tiny_target_dir),
-                              samples_per_shard=8, draft_vocab_size=64, store_dtype="float32"))
-    return d / "capture"
 
 
 def _args(tiny_capture, target_dir, out, *extra):

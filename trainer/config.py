@@ -188,23 +188,6 @@ class CaptureConfig:
             raise ConfigError("aux_layer_ids is empty; list at least one layer id or null for the default")
 
 
-@dataclass
-class DemoConfig:
-    """prepare -> capture on the embedded target. `target` applies to every stage."""
-
-    output_dir: str = "runs/demo"
-    target: str = DEFAULT_TARGET
-    overwrite: bool = False
-    prepare: PrepareConfig = field(default_factory=lambda: PrepareConfig(output_dir="(set by the demo)"))
-    capture: CaptureConfig = field(
-        default_factory=lambda: CaptureConfig(data="(set by the demo)", output_dir="(set by the demo)")
-    )
-
-    def validate(self) -> None:
-        self.prepare.validate()
-        self.capture.validate()
-
-
 from trainer.drafts.eagle3 import Eagle3Config  # noqa: E402
 
 
@@ -284,4 +267,69 @@ class EvalConfig:
             raise ConfigError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
 
 
-SCHEMAS = {"prepare": PrepareConfig, "eval": EvalConfig, "capture": CaptureConfig, "demo": DemoConfig, "eagle3": TrainConfig}
+@dataclass
+class ExportConfig:
+    """`draftsmith export`: a trained draft -> a folder vLLM loads (BF16, or FP8 via AMD Quark)."""
+
+    draft: str = MISSING  # a recipes/train.py output_dir
+    output_dir: str = MISSING
+    target: str = DEFAULT_TARGET  # must be the target the draft was trained on
+    format: str = "vllm"  # vllm (LlamaForCausalLMEagle3) | speculators
+    dtype: str = "bfloat16"  # of the unquantized tensors: bfloat16 | float16 | float32
+    quantize: str = "none"  # none | fp8
+    fp8_scheme: str = "ptpc_fp8"  # per-channel FP8 weights + dynamic per-token FP8 activations
+    quantize_fc: bool = False  # AMD's shipped FP8 drafts keep fc in BF16
+    num_draft_tokens: int = 3  # written into the serve command (and speculators_config)
+    # FP8 acceptance gate: τ of the FP8 draft vs its BF16 source, in-tree, greedy, held-out prompts.
+    gate: bool = True
+    gate_dataset: str = "mtbench"  # not a training source: held out
+    gate_prompts: int = 8
+    gate_max_new_tokens: int = 64
+    max_tau_drop: float = 0.05  # relative: fail when tau_fp8 < (1 - max_tau_drop) * tau_bf16
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        if self.format not in ("vllm", "speculators"):
+            raise ConfigError(f"format '{self.format}' is not one of vllm, speculators")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError(f"dtype '{self.dtype}' is not one of bfloat16, float16, float32")
+        if self.quantize not in ("none", "fp8"):
+            raise ConfigError(f"quantize '{self.quantize}' is not one of none, fp8")
+        if self.quantize == "fp8" and self.format != "vllm":
+            raise ConfigError("quantize=fp8 writes the vLLM-native layout; drop format=speculators")
+        if self.num_draft_tokens < 1 or self.gate_prompts < 1 or self.gate_max_new_tokens < 1:
+            raise ConfigError("num_draft_tokens, gate_prompts and gate_max_new_tokens must be >= 1")
+        if not 0 <= self.max_tau_drop < 1:
+            raise ConfigError("max_tau_drop is a fraction of the BF16 τ in [0, 1)")
+
+
+@dataclass
+class DemoConfig:
+    """The whole pipeline on the embedded target: prepare -> capture -> train EAGLE-3 ->
+    export BF16 and FP8 -> evaluate both. `target` applies to every stage."""
+
+    output_dir: str = "runs/demo"
+    target: str = DEFAULT_TARGET
+    overwrite: bool = False
+    prepare: PrepareConfig = field(default_factory=lambda: PrepareConfig(output_dir="(set by the demo)"))
+    capture: CaptureConfig = field(
+        default_factory=lambda: CaptureConfig(data="(set by the demo)", output_dir="(set by the demo)")
+    )
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(data="(set by the demo)",
+                                                                   output_dir="(set by the demo)"))
+    num_draft_tokens: int = 3  # for export (the serve command), the FP8 gate and the evaluation
+    eval_dataset: str = "mtbench"  # held out from training (ShareGPT)
+    eval_prompts: int = 8
+    eval_max_new_tokens: int = 64
+    gate_prompts: int = 4
+    quantize_fc: bool = False
+
+    def validate(self) -> None:
+        self.prepare.validate()
+        self.capture.validate()
+        self.train.validate()
+        if self.num_draft_tokens < 1 or self.eval_prompts < 1 or self.gate_prompts < 1:
+            raise ConfigError("num_draft_tokens, eval_prompts and gate_prompts must be >= 1")
+
+
+SCHEMAS = {"export": ExportConfig, "prepare": PrepareConfig, "eval": EvalConfig, "capture": CaptureConfig, "demo": DemoConfig, "eagle3": TrainConfig}

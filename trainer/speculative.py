@@ -279,3 +279,18 @@ class NGramDraft:
                     follow = seq[start + size:start + size + n]
                     return follow + [follow[-1]] * (n - len(follow))
         return [seq[-1]] * n  # no match: a guess that costs nothing
+
+
+def measure(target, draft: Draft | None, prompts: list[list[int]], max_new_tokens: int, num_draft_tokens: int = 4,
+            sampling: Sampling | None = None, eos_token_ids=(), batch_size: int = 1, seed: int = 0,
+            progress: str | None = None) -> DecodeStats:
+    """Decode `prompts` in batches and merge the stats (None draft = autoregressive)."""
+    from tqdm.auto import tqdm
+
+    stats = DecodeStats(num_draft_tokens if draft is not None else 0)
+    starts = range(0, len(prompts), batch_size)
+    for b in tqdm(starts, desc=progress, unit="batch", disable=progress is None, leave=False):
+        _, s = generate(target, prompts[b:b + batch_size], max_new_tokens, draft, num_draft_tokens, sampling,
+                        eos_token_ids, seed=seed + b)
+        stats.merge(s)
+    return stats

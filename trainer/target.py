@@ -119,6 +119,27 @@ def content_hash(source: TargetSource) -> str:
     return h.hexdigest()
 
 
+def read_license(source: TargetSource) -> str | None:
+    """The target's license id where its files say it: GGUF `general.license`, or the
+    `license:` of an HF dir's README front matter. None when unknown."""
+    try:
+        if source.kind == "gguf":
+            from gguf import GGUFReader
+
+            field = GGUFReader(str(source.path)).fields.get("general.license")
+            return str(field.contents()) if field is not None else None
+        readme = source.path / "README.md"
+        if readme.is_file():
+            text = readme.read_text(errors="replace")
+            if text.startswith("---"):
+                for line in text.split("---", 2)[1].splitlines():
+                    if line.startswith("license:"):
+                        return line.split(":", 1)[1].strip().strip("'\"") or None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def gguf_to_hf_dir(source: TargetSource, digest: str) -> Path:
     """Convert a GGUF target once (dequantized to fp32) into the cache and reuse it.
 
@@ -147,7 +168,8 @@ def gguf_to_hf_dir(source: TargetSource, digest: str) -> Path:
         rebuilt.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "draftsmith_source.json").write_text(json.dumps(
-            {"gguf": str(source.path), "sha256": digest, "name": source.name}, indent=2))
+            {"gguf": str(source.path), "sha256": digest, "name": source.name, "license": read_license(source)},
+            indent=2))
         try:
             os.rename(tmp, out)
         except OSError:  # another process finished first
@@ -168,11 +190,13 @@ class TargetOutput:
 class Target:
     """A frozen causal LM in eval mode that can return aux hidden states."""
 
-    def __init__(self, model, tokenizer, name: str, path: str, digest: str):
+    def __init__(self, model, tokenizer, name: str, path: str, digest: str, hf_dir: str | None = None):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
         self.path = path
+        self.hf_dir = hf_dir or path  # an HF directory holding these weights: what vLLM serves
+        self.license: str | None = None  # from the target's own files, where they say it (read_license)
         self.content_hash = digest
         self.backbone = model.get_decoder()  # LlamaModel / Qwen3Model / ...: embed, layers, norm
         cfg = model.config.get_text_config()
@@ -253,4 +277,6 @@ def load_target(spec: str, dtype: str = "float32", device: str | torch.device = 
     except (OSError, ValueError) as err:
         raise TargetError(f"target '{spec}' ({hf_dir}) failed to load: {str(err).splitlines()[0]}") from None
     model.to(device)
-    return Target(model, tokenizer, name=source.name, path=str(source.path), digest=digest)
+    target = Target(model, tokenizer, name=source.name, path=str(source.path), digest=digest, hf_dir=str(hf_dir))
+    target.license = read_license(source)
+    return target
