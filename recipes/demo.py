@@ -1,5 +1,7 @@
-"""The demo: prepare -> capture on the embedded target (SmolLM2-135M-Instruct) with a
-small ShareGPT slice, ending in a printed summary.
+"""The demo: the whole pipeline on the embedded target (SmolLM2-135M-Instruct) in about
+15 minutes on 2 CPU cores: prepare a ShareGPT slice -> capture hidden states -> train an
+EAGLE-3 draft -> export it BF16 and FP8 (AMD Quark) -> evaluate both with the in-tree
+decoder -> a table and the `vllm serve` command for the result.
 
     make demo                      (sets up .venv, then runs this)
     python -m recipes.demo --config recipes/configs/smollm2-135m/demo.yaml [key=value ...]
@@ -11,28 +13,87 @@ import sys
 import time
 from pathlib import Path
 
-from recipes import capture, prepare
+from recipes import capture, prepare, train
+from recipes import eval as eval_recipe
+from recipes import export as export_recipe
 from recipes._common import one_line_errors, parse_args
-from trainer.config import DemoConfig
+from trainer.config import DemoConfig, EvalConfig, ExportConfig
 
 
 def run(cfg: DemoConfig, argv: list[str] | None = None) -> dict:
     out = Path(cfg.output_dir)
-    cfg.prepare.target = cfg.capture.target = cfg.target
+    overwrite = cfg.overwrite
+    cfg.prepare.target = cfg.capture.target = cfg.train.target = cfg.target
     cfg.prepare.output_dir = str(out / "prepared")
     cfg.capture.data = cfg.prepare.output_dir
-    cfg.capture.output_dir = str(out / "capture")
-    cfg.prepare.overwrite = cfg.capture.overwrite = cfg.overwrite or cfg.prepare.overwrite
+    cfg.capture.output_dir = cfg.train.data = str(out / "capture")
+    cfg.train.output_dir = str(out / "eagle3")
+    cfg.prepare.overwrite = cfg.capture.overwrite = cfg.train.overwrite = overwrite or cfg.prepare.overwrite
+    n = cfg.num_draft_tokens
+    exports = {"bf16": ExportConfig(draft=cfg.train.output_dir, output_dir=str(out / "export-bf16"),
+                                    target=cfg.target, num_draft_tokens=n, overwrite=overwrite),
+               "fp8": ExportConfig(draft=cfg.train.output_dir, output_dir=str(out / "export-fp8"),
+                                   target=cfg.target, num_draft_tokens=n, quantize="fp8",
+                                   quantize_fc=cfg.quantize_fc, gate_dataset=cfg.eval_dataset,
+                                   gate_prompts=cfg.gate_prompts, gate_max_new_tokens=cfg.eval_max_new_tokens,
+                                   overwrite=overwrite)}
 
     t0 = time.perf_counter()
-    print(f"[1/2] prepare: {cfg.prepare.max_records} records of '{cfg.prepare.source}' -> {cfg.prepare.output_dir}")
+    print(f"[1/6] prepare: {cfg.prepare.max_records} records of '{cfg.prepare.source}' -> {cfg.prepare.output_dir}")
     prepared = prepare.run(cfg.prepare, argv)
     print(prepare.format_summary(prepared))
-    print(f"[2/2] capture: {cfg.target} -> {cfg.capture.output_dir}")
+
+    print(f"[2/6] capture: {cfg.target} -> {cfg.capture.output_dir}")
     manifest = capture.run(cfg.capture, argv)
     print(capture.format_summary(manifest))
-    print(f"demo finished in {time.perf_counter() - t0:.0f} s; outputs in {out}/")
-    return {"prepare": prepared, "capture": manifest}
+
+    print(f"[3/6] train EAGLE-3: {cfg.train.max_steps} steps -> {cfg.train.output_dir}")
+    trained = train.run(cfg.train, argv)
+    print(train.format_report(trained))
+
+    results = {}
+    for step, (name, ecfg) in enumerate(exports.items(), start=4):
+        print(f"[{step}/6] export {name.upper()} -> {ecfg.output_dir}")
+        results[name] = {"export": export_recipe.run(ecfg, argv)}
+        print(export_recipe.format_summary(results[name]["export"]))
+
+    print(f"[6/6] evaluate both exports in-tree on {cfg.eval_dataset} ({cfg.eval_prompts} prompts, N={n})")
+    for name, ecfg in exports.items():
+        ev = EvalConfig(draft=ecfg.output_dir, target=cfg.target, dataset=cfg.eval_dataset,
+                        num_prompts=cfg.eval_prompts, max_new_tokens=cfg.eval_max_new_tokens,
+                        num_draft_tokens=n, output_dir=str(Path(ecfg.output_dir) / "eval"))
+        results[name]["eval"] = eval_recipe.run(ev, argv)
+
+    print(f"\ndemo finished in {time.perf_counter() - t0:.0f} s; outputs in {out}/\n")
+    print(format_table(results, trained))
+    return {"prepare": prepared, "capture": manifest, "train": trained, **results}
+
+
+def format_table(results: dict, trained: dict) -> str:
+    n = results["bf16"]["eval"]["num_draft_tokens"]
+    ev0 = results["bf16"]["eval"]
+    head = (f"{'draft':<8}{'τ':>7}" + "".join(f"{'acc@' + str(k):>8}" for k in range(1, n + 1))
+            + f"{'tok/s':>8}{'speedup':>9}{'best N':>8}{'weights':>11}")
+    rows = [f"EAGLE-3 draft, {trained['steps']} training steps; in-tree eval on {ev0['dataset']} "
+            f"({ev0['prompts']} prompts, greedy, N={n}); acc@k = conditional acceptance at draft position k",
+            head, "-" * len(head)]
+    sizes = {name: r["export"]["files"]["model.safetensors"]["bytes"] for name, r in results.items()}
+    for name, r in results.items():
+        e = r["eval"]
+        rows.append(f"{name.upper():<8}{e['tau']:>7.3f}" + "".join(f"{a:>8.3f}" for a in e["conditional_acceptance"])
+                    + f"{e['speculative']['tokens_per_s']:>8.1f}{e['speedup']:>8.2f}x"
+                    + f"{e['best_num_draft_tokens']['best_n']:>8}{sizes[name] / 1e6:>8.1f} MB")
+    fp8, bf16 = results["fp8"], results["bf16"]
+    rows.append(f"FP8 vs BF16: τ {fp8['eval']['tau'] / bf16['eval']['tau'] - 1:+.1%}, weights "
+                f"{sizes['fp8'] / sizes['bf16'] - 1:+.1%} (lm_head and fc stay BF16)")
+    gate = fp8["export"].get("gate")
+    if gate:
+        rows.append(f"FP8 gate at export: τ {gate['tau_fp8']:.3f} vs {gate['tau_bf16']:.3f} "
+                    f"({gate['relative_change']:+.1%}, bound -{gate['max_tau_drop']:.0%})")
+    rows.append("\nserve the target with a draft (ROCm or CUDA vLLM; pick N from 'best N'):")
+    for name, r in results.items():
+        rows.append(f"  {name.upper()}: {r['export']['serve']}")
+    return "\n".join(rows)
 
 
 @one_line_errors
