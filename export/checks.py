@@ -34,7 +34,7 @@ def vllm_python() -> str | None:
 
 def run_vllm(target_dir: str, prompts: list[list[int]], out: Path, draft: str | None = None,
              num_speculative_tokens: int = 3, max_new_tokens: int = 64, dtype: str = "float32",
-             cache_root: Path | None = None, timeout: int = 900) -> dict:
+             cache_root: Path | None = None, timeout: int = 900, logprobs: int = 0) -> dict:
     python = vllm_python()
     if python is None:
         raise DraftsmithError("no vLLM environment: run scripts/setup_vllm.sh or set DRAFTSMITH_VLLM_PYTHON")
@@ -43,7 +43,7 @@ def run_vllm(target_dir: str, prompts: list[list[int]], out: Path, draft: str | 
     prompts_file = out.with_suffix(".prompts.json")
     prompts_file.write_text(json.dumps(prompts))
     cmd = [python, str(RUNNER), "--target", target_dir, "--prompts", str(prompts_file), "--out", str(out),
-           "--max-new-tokens", str(max_new_tokens), "--dtype", dtype]
+           "--max-new-tokens", str(max_new_tokens), "--dtype", dtype, "--logprobs", str(logprobs)]
     if draft:
         cmd += ["--draft", str(draft), "--num-speculative-tokens", str(num_speculative_tokens)]
     env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root or out.parent / "vllm-cache"),
@@ -117,3 +117,21 @@ def pick_probe_token(outputs: list[list[int]], n: int, max_token: int, exclude=(
     if not counts:
         raise DraftsmithError("no usable probe token in the outputs; generate more tokens")
     return counts.most_common(1)[0][0]
+
+
+def greedy_divergences(base: dict, run: dict, tie: float) -> list[dict]:
+    """Where `run`'s greedy tokens leave `base`'s (vLLM without a draft, run with
+    logprobs=2). A lossless draft changes nothing, but in bf16 the target's verification
+    of N+1 tokens rounds differently from one token at a time, so a near-tie between the
+    top two logits may flip. Returns one entry per diverging prompt with the baseline's
+    top-2 gap there; a gap above `tie` is an error the caller should fail on."""
+    out = []
+    for i, (a, b) in enumerate(zip(base["outputs"], run["outputs"], strict=True)):
+        j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if j is None and len(a) == len(b):
+            continue
+        j = min(len(a), len(b)) if j is None else j
+        top = base["top_logprobs"][i][j] if base.get("top_logprobs") and j < len(a) else None
+        gap = top[0][1] - top[1][1] if top and len(top) > 1 else float("inf")
+        out.append({"prompt": i, "position": j, "gap": gap, "near_tie": gap <= tie})
+    return out

@@ -24,6 +24,7 @@ from trainer.config import CaptureConfig, ExportConfig, PrepareConfig, TrainConf
 pytestmark = pytest.mark.slow
 N = 3  # num_speculative_tokens
 MAX_NEW = 64
+BF16_TIE = 0.25  # logit gap: two bf16 ulps at |logit| in [16, 32)
 
 if checks.vllm_python() is None:
     if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
@@ -56,10 +57,10 @@ def pipeline(tmp_path_factory, smollm2):
     return out
 
 
-def _vllm(pipeline, name, draft=None, dtype="float32", target=None):
+def _vllm(pipeline, name, draft=None, dtype="float32", target=None, logprobs=0):
     return checks.run_vllm(target, pipeline["prompts"], pipeline["dir"] / f"{name}.json",
                            draft=str(draft) if draft else None, num_speculative_tokens=N, max_new_tokens=MAX_NEW,
-                           dtype=dtype, cache_root=pipeline["dir"] / "vllm-cache")
+                           dtype=dtype, cache_root=pipeline["dir"] / "vllm-cache", logprobs=logprobs)
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +109,14 @@ def test_constant_proposal_probe_is_accepted_exactly(pipeline, baseline, smollm2
 
 
 def test_fp8_draft_in_vllm(pipeline, smollm2):
-    base = _vllm(pipeline, "base-bf16", dtype="bfloat16", target=smollm2.hf_dir)  # vLLM: quark needs bf16/fp16
+    # vLLM's quark loader needs a bf16/fp16 model. In bf16, verifying N+1 tokens at once
+    # rounds differently from one at a time, so greedy may flip where the target's top two
+    # logits nearly tie (seen: 1 of 6 prompts, position 24): allow exactly that, nothing else.
+    base = _vllm(pipeline, "base-bf16", dtype="bfloat16", target=smollm2.hf_dir, logprobs=2)
     r = _vllm(pipeline, "fp8", pipeline["fp8"], dtype="bfloat16", target=smollm2.hf_dir)
-    assert r["outputs"] == base["outputs"]
+    diverged = checks.greedy_divergences(base, r, tie=BF16_TIE)
+    print(f"FP8 draft vs no draft (bf16): {len(diverged)} of {len(base['outputs'])} outputs diverge: {diverged}")
+    assert all(d["near_tie"] for d in diverged) and len(diverged) <= len(base["outputs"]) // 3
     assert r["spec"]["num_drafts"] > 100
     params = {p["name"]: p for p in r["draft_parameters"]}
     assert params["model.fc.weight"]["dtype"] == "bfloat16" and "model.fc.weight_scale" not in params

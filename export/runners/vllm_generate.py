@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--logprobs", type=int, default=0, help="also return the top-k logprobs of every position")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -73,10 +74,15 @@ def main() -> None:
               max_model_len=args.max_model_len, speculative_config=spec, disable_log_stats=False,
               seed=0, max_num_seqs=8)
     prompts = json.load(open(args.prompts))
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=False)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=False,
+                            logprobs=args.logprobs or None)
     results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     outputs = [list(r.outputs[0].token_ids) for r in results]
-    report = {"outputs": outputs, "spec": counters(llm.get_metrics()) if spec else None,
+    top = None
+    if args.logprobs:  # per prompt, per position: [[token, logprob], ...] best first
+        top = [[sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda x: -x[1])[:args.logprobs]
+                for pos in r.outputs[0].logprobs] for r in results]
+    report = {"outputs": outputs, "top_logprobs": top, "spec": counters(llm.get_metrics()) if spec else None,
               "draft_parameters": llm.collective_rpc(draft_layers)[0] if spec else None,
               "draft": args.draft, "num_speculative_tokens": args.num_speculative_tokens if spec else 0}
     tmp = args.out + ".tmp"
