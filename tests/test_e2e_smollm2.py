@@ -1,5 +1,6 @@
-"""End to end on the real embedded target: the demo's prepare + capture over 16
-packaged ShareGPT conversations, checked against the target itself."""
+"""End to end on the real embedded target: the demo (prepare -> capture -> train ->
+export BF16 + FP8 -> eval) on a small budget; the capture is checked against the target
+itself, and the demo's table and serve commands are checked in its output."""
 
 import json
 import subprocess
@@ -17,10 +18,28 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
+    import contextlib
+    import io
+
     out = tmp_path_factory.mktemp("demo") / "run"
-    demo.main([f"output_dir={out}", "prepare.max_records=100", "prepare.max_length=1024", "capture.max_samples=16",
-               "capture.samples_per_shard=8"])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        demo.main([f"output_dir={out}", "prepare.max_records=100", "prepare.max_length=1024",
+                   "capture.max_samples=16", "capture.samples_per_shard=8", "train.max_steps=4", "train.ttt_steps=3",
+                   "train.max_length=512", "eval_prompts=2", "eval_max_new_tokens=12", "gate_prompts=2"])
+    (out / "demo.out").write_text(printed.getvalue())
     return out
+
+
+def test_demo_runs_the_whole_pipeline(demo_run):
+    text = (demo_run / "demo.out").read_text()
+    assert "[6/6]" in text and "FP8 vs BF16: τ" in text and "FP8 gate at export" in text
+    for name in ("bf16", "fp8"):
+        e = demo_run / f"export-{name}"
+        assert (e / "eval" / "report.json").is_file() and (e / "model.safetensors").is_file()
+        assert f'"model": "{e}"' in text  # the printed vllm serve command points at the export
+    m = json.loads((demo_run / "export-fp8" / "draftsmith_export.json").read_text())
+    assert m["quantization"]["scheme"] == "ptpc_fp8" and m["gate"]["prompts"] == 2
 
 
 def test_demo_prints_and_writes_a_capture(demo_run):
