@@ -3,6 +3,7 @@ round trips in both vLLM layouts, refusals (wrong target, existing folder), and 
 the real AMD Quark: which layers are FP8, the `exclude` rewrite vLLM needs, the τ gate."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -202,3 +203,15 @@ def test_fp8_gate_refuses_an_activation_outlier(tmp_path, tiny_draft, tiny_targe
     err = capsys.readouterr().err
     assert e.value.code == 2 and "FP8 gate failed" in err and "Nothing was written" in err
     assert not (tmp_path / "fp8").exists()
+
+
+def test_export_is_readable_by_other_users(tmp_path, tiny_draft, tiny_target_dir):
+    """vLLM often runs as another user: the folder and files get the umask's mode, not 0700/0600."""
+    out = tmp_path / "perm"
+    old = os.umask(0o022)
+    try:
+        _export(tiny_draft, tiny_target_dir, out)
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in out.iterdir() if p.is_file())

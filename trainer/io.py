@@ -19,6 +19,12 @@ PROVENANCE_PACKAGES = ("draftsmith", "torch", "transformers", "accelerate", "dat
                        "huggingface_hub", "deepspeed", "amd-quark")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -27,6 +33,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual mode (a server may read them)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -56,7 +63,9 @@ def fresh_output_dir(path: str | Path, overwrite: bool, what: str = "output_dir"
     if path.exists() and not overwrite:
         raise DraftsmithError(f"{what} '{path}' already exists; pass overwrite=true (or --overwrite) to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the published folder gets the usual mode
+    return tmp
 
 
 def publish_dir(tmp: Path, path: str | Path) -> None:
