@@ -19,6 +19,25 @@ def parse_args(schema, argv: list[str] | None, description: str):
     return load_config(schema, args.config, args.overrides)
 
 
+def parse_flags(schema, argv: list[str], description: str, flags: dict[str, str],
+                switches: dict[str, str] | None = None):
+    """`--config FILE`, `--flag VALUE` for each of `flags` (flag -> config key), boolean
+    `switches` (flag -> "key=value" they set), then `key=value` overrides, which win."""
+    switches = switches or {}
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config")
+    for flag in flags:
+        parser.add_argument(flag)
+    for flag in switches:
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("overrides", nargs="*")
+    args = vars(parser.parse_args(argv))
+    dest = lambda flag: flag[2:].replace("-", "_")  # noqa: E731
+    overrides = [f"{key}={args[dest(flag)]}" for flag, key in flags.items() if args[dest(flag)] is not None]
+    overrides += [kv for flag, kv in switches.items() if args[dest(flag)]]
+    return load_config(schema, args["config"], overrides + args["overrides"])
+
+
 def one_line_errors(fn):
     """Run `fn`; a DraftsmithError becomes `error: <message>` on stderr and exit status 2."""
 

@@ -10,12 +10,12 @@ decoding on the same prompts, and the best num_speculative_tokens.
 
 from __future__ import annotations
 
-import argparse
+import json
 import sys
 from pathlib import Path
 
-from recipes._common import one_line_errors
-from trainer.config import EvalConfig, load_config, to_yaml
+from recipes._common import one_line_errors, parse_flags
+from trainer.config import EvalConfig, to_yaml
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, write_run_files
 
@@ -35,37 +35,27 @@ def make_draft(cfg: EvalConfig, target):
     if not Path(cfg.draft).is_dir():
         raise DraftsmithError(f"draft '{cfg.draft}' is neither 'ngram', a trained draft folder nor an export")
     if (Path(cfg.draft) / formats.EXPORT_MANIFEST).is_file():  # an export: BF16, or FP8 simulated
-        manifest = formats.read_export(cfg.draft)[0]
+        manifest = json.loads((Path(cfg.draft) / formats.EXPORT_MANIFEST).read_text())
         kind = f"FP8 {manifest['quantization']['scheme']}" if manifest.get("quantization") else manifest["dtype"]
         return Eagle3Proposer(formats.load_export(cfg.draft, target)), f"eagle3 {kind} ({cfg.draft})"
     return Eagle3Proposer(load_draft(cfg.draft, target)), f"eagle3 ({cfg.draft})"
 
 
 def run(cfg: EvalConfig, argv=None) -> dict:
-    from trainer.data.evalsets import load_prompts
+    from trainer.data.evalsets import chat_prompt_ids, load_prompts
     from trainer.metrics import CostModel, best_num_draft_tokens
-    from trainer.speculative import DecodeStats, Sampling, generate
+    from trainer.speculative import Sampling, measure
     from trainer.target import load_target
 
     target = load_target(cfg.target)
     draft, draft_name = make_draft(cfg, target)
     tok = target.tokenizer
-    texts = load_prompts(cfg.dataset, cfg.num_prompts)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                       tokenize=True)["input_ids"] for t in texts]
+    prompts = chat_prompt_ids(tok, load_prompts(cfg.dataset, cfg.num_prompts))
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    eos = [tok.eos_token_id]
-    ar, sp = DecodeStats(0), DecodeStats(cfg.num_draft_tokens)
-    from tqdm.auto import tqdm
-
-    for b in tqdm(range(0, len(prompts), cfg.batch_size), desc="eval", unit="batch"):
-        batch = prompts[b:b + cfg.batch_size]
-        _, s0 = generate(target, batch, cfg.max_new_tokens, None, sampling=sampling, eos_token_ids=eos,
-                         seed=cfg.seed + b)
-        _, s1 = generate(target, batch, cfg.max_new_tokens, draft, cfg.num_draft_tokens, sampling, eos,
-                         seed=cfg.seed + b)
-        ar.merge(s0)
-        sp.merge(s1)
+    common = dict(sampling=sampling, eos_token_ids=[tok.eos_token_id], batch_size=cfg.batch_size, seed=cfg.seed)
+    ar = measure(target, None, prompts, cfg.max_new_tokens, progress="eval: autoregressive", **common)
+    sp = measure(target, draft, prompts, cfg.max_new_tokens, cfg.num_draft_tokens, progress="eval: speculative",
+                 **common)
     N = cfg.num_draft_tokens
     cost = CostModel(draft_per_token=sp.draft_s / max(sp.iterations * N, 1),
                      verify_one=ar.verify_s / max(ar.iterations, 1),
@@ -141,15 +131,7 @@ def format_report(r: dict) -> str:
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config")
-    for flag in FLAGS:
-        ap.add_argument(flag)
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
-    overrides = [f"{key}={getattr(args, flag[2:].replace('-', '_'))}" for flag, key in FLAGS.items()
-                 if getattr(args, flag[2:].replace("-", "_")) is not None] + args.overrides
-    cfg = load_config(EvalConfig, args.config, overrides)
+    cfg = parse_flags(EvalConfig, argv, __doc__.splitlines()[0], FLAGS)
     report = run(cfg, argv)
     print(format_report(report))
     print(f"  written to {cfg.output_dir}/report.json and acceptance.png")

@@ -15,14 +15,13 @@ than `max_tau_drop` (a fraction) below the BF16 τ.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from recipes._common import one_line_errors
-from trainer.config import ExportConfig, load_config, to_yaml
+from recipes._common import one_line_errors, parse_flags
+from trainer.config import ExportConfig, to_yaml
 from trainer.errors import DraftsmithError
 
 FLAGS = {"--draft": "draft", "--output-dir": "output_dir", "--target": "target", "--format": "format",
@@ -87,16 +86,14 @@ def export_fp8(cfg: ExportConfig, staging: Path, draft_cfg: dict, state: dict, t
 
 def fp8_gate(cfg: ExportConfig, bf16_dir: Path, fp8_dir: Path, manifest: dict, target) -> dict:
     from export import formats
-    from trainer.data.evalsets import load_prompts
+    from trainer.data.evalsets import chat_prompt_ids, load_prompts
     from trainer.drafts.eagle3 import Eagle3Proposer
     from trainer.speculative import measure
 
     # the FP8 folder is not complete yet: give load_export the manifest it checks
     formats.write_manifest(fp8_dir, {k: v for k, v in manifest.items() if k != "files"})
     tok = target.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                       tokenize=True)["input_ids"]
-               for t in load_prompts(cfg.gate_dataset, cfg.gate_prompts)]
+    prompts = chat_prompt_ids(tok, load_prompts(cfg.gate_dataset, cfg.gate_prompts))
     taus = {}
     for name, path in (("bf16", bf16_dir), ("fp8", fp8_dir)):
         draft = Eagle3Proposer(formats.load_export(path, target))
@@ -140,19 +137,7 @@ def format_summary(m: dict) -> str:
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config")
-    for flag in FLAGS:
-        ap.add_argument(flag)
-    for flag in SWITCHES:
-        ap.add_argument(flag, action="store_true")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
-    dest = lambda flag: flag[2:].replace("-", "_")  # noqa: E731
-    overrides = [f"{key}={getattr(args, dest(flag))}" for flag, key in FLAGS.items()
-                 if getattr(args, dest(flag)) is not None]
-    overrides += [kv for flag, kv in SWITCHES.items() if getattr(args, dest(flag))] + args.overrides
-    cfg = load_config(ExportConfig, args.config, overrides)
+    cfg = parse_flags(ExportConfig, argv, __doc__.splitlines()[0], FLAGS, SWITCHES)
     manifest = run(cfg, argv)
     print(format_summary(manifest))
     print(f"  written to {cfg.output_dir}")

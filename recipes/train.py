@@ -172,8 +172,8 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
 
                 batch.update(capture_batch(target, batch["input_ids"], batch["attention_mask"], aux_ids))
             with accelerator.accumulate(model):
-                target_p = algo.target_probs(target, batch["last_hidden_state"], draft_ids)
-                batch["target_top_in_vocab"] = algo.target_top_in_vocab(target, batch["last_hidden_state"], t2d)
+                target_p, batch["target_top_in_vocab"] = algo.target_labels(target, batch["last_hidden_state"],
+                                                                            draft_ids, t2d)
                 with accelerator.autocast():
                     metrics = model(batch, target_p)
                 accelerator.backward(metrics.loss)

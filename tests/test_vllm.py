@@ -48,11 +48,9 @@ def pipeline(tmp_path_factory, smollm2):
         export_recipe.run(ExportConfig(draft=str(d / "eagle3"), output_dir=str(d / name), num_draft_tokens=N,
                                        **extra))
         out[name] = d / name
-    tok = smollm2.tokenizer
-    from trainer.data.evalsets import load_prompts
+    from trainer.data.evalsets import chat_prompt_ids, load_prompts
 
-    out["prompts"] = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                              tokenize=True)["input_ids"] for t in load_prompts("gsm8k", 6)]
+    out["prompts"] = chat_prompt_ids(smollm2.tokenizer, load_prompts("gsm8k", 6))
     out["dir"] = d
     return out
 

@@ -71,3 +71,9 @@ def load_prompts(dataset: str, limit: int | None = None) -> list[str]:
     if not prompts:
         raise DataError(f"eval dataset '{dataset}' holds no prompts")
     return prompts[:limit] if limit else prompts
+
+
+def chat_prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text as one user turn in the target's chat template, ready for generation."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                          tokenize=True)["input_ids"] for t in texts]

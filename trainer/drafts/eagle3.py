@@ -391,7 +391,7 @@ def training_step(draft: Eagle3Draft, batch: dict, target_p: torch.Tensor, ttt_s
     distribution is the target's at position i+1+k. Positions (RoPE) are i+k.
     """
     ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
-    in_vocab = batch.get("target_top_in_vocab")  # [B, T] bool, optional (see `target_top_in_vocab`)
+    in_vocab = batch.get("target_top_in_vocab")  # [B, T] bool, optional (see `target_labels`)
     B, T = ids.shape
     p = target_p
     hidden = draft.fc(batch["aux_hidden_states"].to(draft.fc.weight.dtype))  # [B, T, H]
@@ -425,16 +425,19 @@ def target_probs(target, last_hidden_state: torch.Tensor, draft_ids: torch.Tenso
 
 
 @torch.no_grad()
-def target_top_in_vocab(target, last_hidden_state: torch.Tensor, t2d: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """[B, T, Ht] -> [B, T] bool: is the target's greedy next token (argmax over its full
-    vocabulary) inside the draft vocabulary? Where it is not, no draft token can be
-    accepted under greedy verification, so accuracy must count a miss there even when the
-    draft matches the argmax of the restricted distribution. Chunked over T: [B, chunk, V]."""
-    out = []
+def target_labels(target, last_hidden_state: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
+                  chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over the captured states for training: the full target logits per chunk of
+    T give both `target_probs` (their draft-vocab columns, softmaxed) and [B, T] bool "the
+    target's greedy token over its full vocabulary is in the draft vocabulary". Where it
+    is not, no draft token can be accepted under greedy verification, so accuracy counts a
+    miss even when the draft matches the restricted argmax. [B, T, Ht] -> [B, T, Vd], [B, T]."""
+    probs, in_vocab = [], []
     for h in last_hidden_state.split(chunk, dim=1):
         logits = target.model.lm_head(target.backbone.norm(h.to(target.dtype)))  # [B, t, V]
-        out.append(t2d[logits.argmax(-1)])
-    return torch.cat(out, dim=1)
+        probs.append(logits[..., draft_ids].float().softmax(-1))
+        in_vocab.append(t2d[logits.argmax(-1)])
+    return torch.cat(probs, dim=1), torch.cat(in_vocab, dim=1)
 
 
 class TTTModule(nn.Module):
@@ -457,4 +460,4 @@ def simulated_tau(acc: list[float]) -> float:
     return tau
 
 
-__all__ = ["Eagle3Config", "Eagle3Draft", "TTTModule", "training_step", "target_probs", "target_top_in_vocab", "simulated_tau", "ttt_attention"]
+__all__ = ["Eagle3Config", "Eagle3Draft", "TTTModule", "training_step", "target_probs", "target_labels", "simulated_tau", "ttt_attention"]
