@@ -16,8 +16,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import torch
-
 from trainer.errors import DraftsmithError
 
 RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_generate.py"
@@ -60,7 +58,8 @@ def run_vllm(target_dir: str, prompts: list[list[int]], out: Path, draft: str | 
 
 
 def make_probe(src_export: Path, out: Path, token: int) -> None:
-    """A copy of a BF16 vLLM-native export that always proposes `token`."""
+    """A copy of a BF16 vLLM-native export that always proposes `token` (the algorithm's
+    exporter says how: `probe_tensors`)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -70,16 +69,8 @@ def make_probe(src_export: Path, out: Path, token: int) -> None:
     manifest = json.loads((src_export / formats.EXPORT_MANIFEST).read_text())
     if manifest["format"] != "vllm" or manifest.get("quantization"):
         raise DraftsmithError("the probe is built from a BF16 vLLM-native export")
+    w = formats.exporter(manifest["algorithm"]).probe_tensors(load_file(src_export / formats.WEIGHTS), token)
     shutil.copytree(src_export, out)
-    w = load_file(out / formats.WEIGHTS)
-    Vd, V = w["d2t"].numel(), w["t2d"].numel()
-    if not 0 <= token <= V - Vd:
-        raise DraftsmithError(f"probe token {token} must be <= V - Vd = {V - Vd} (vocabulary X..X+Vd-1)")
-    w["norm.weight"] = torch.zeros_like(w["norm.weight"])  # logits == 0 everywhere
-    w["d2t"] = torch.full_like(w["d2t"], token)  # draft id i -> target id token + i
-    t2d = torch.zeros_like(w["t2d"])
-    t2d[token:token + Vd] = True
-    w["t2d"] = t2d
     save_file(w, str(out / formats.WEIGHTS), metadata={"format": "pt"})
     body = {k: v for k, v in manifest.items() if k != "files"}
     formats.write_manifest(out, {**body, "probe_token": token})

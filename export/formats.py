@@ -1,20 +1,12 @@
 """Trained draft folder -> a folder vLLM loads with `--speculative-config`, and back.
 
-Two layouts of an EAGLE-3 draft, both read by vLLM 0.32
-(vllm/model_executor/models/llama_eagle3.py, vllm/transformers_utils/configs/speculators/):
+Generic over algorithms: each has one exporter module under export/, registered in
+`EXPORTERS` under the same name as its draft in trainer.drafts.DRAFTS. An exporter
+provides METHOD (vLLM's speculative method), FORMATS, FP8_FORMATS, TENSORS, `key_map(fmt)`
+(our names -> the file's, one to one), `config_json(...)`, `keep_bf16(quantize_fc)` (what
+Quark must leave BF16, with vLLM's runtime names), `probe_tensors(...)`, `describe(...)`.
 
-    "vllm"         config.json: architectures ["LlamaForCausalLMEagle3"], a one-layer Llama
-                   config of the draft layer + target_hidden_size, draft_vocab_size,
-                   eagle_aux_hidden_state_layer_ids (top level, "entering layer i" ids),
-                   norm_before_residual (written: the native loader defaults it to False).
-                   Weights keep our names: fc, midlayer.*, norm, lm_head, d2t, t2d.
-    "speculators"  config.json: speculators_model_type "eagle3", transformer_layer_config,
-                   speculators_config {algorithm, proposal_methods, default_proposal_method,
-                   verifier}; norm_before_residual written (this loader defaults it to True).
-                   Weights: midlayer.* -> layers.0.*; `vllm serve DIR` alone works.
-
-The target's embedding is never exported: the draft shares it (vLLM then uses the
-target's). Each folder also holds draftsmith_export.json (what was exported from what,
+Each export folder also holds draftsmith_export.json (what was exported from what,
 sha256 of every file) and the draft's training report.
 """
 
@@ -26,43 +18,23 @@ from pathlib import Path
 
 import torch
 
-from trainer.drafts import eagle3
+from export import eagle3
+from trainer.drafts import build
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json
-from trainer.target import sha256_file
+from trainer.target import LAYER_ID_CONVENTION, sha256_file
 
 EXPORT_MANIFEST = "draftsmith_export.json"
 WEIGHTS = "model.safetensors"
-FORMATS = ("vllm", "speculators")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-# The draft's tensors, in our (training) names. Every one is exported, nothing else is.
-EAGLE3_TENSORS = (
-    "fc.weight",
-    "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-    "midlayer.post_attention_layernorm.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
-)
-# The Linear layers an FP8 export may quantize (names without ".weight"). vLLM fuses
-# q/k/v into qkv_proj and gate/up into gate_up_proj: these groups are all-or-nothing.
-EAGLE3_LINEARS = ("fc", "midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj", "midlayer.self_attn.v_proj",
-                  "midlayer.self_attn.o_proj", "midlayer.mlp.gate_proj", "midlayer.mlp.up_proj",
-                  "midlayer.mlp.down_proj", "lm_head")
+EXPORTERS = {"eagle3": eagle3}  # algorithm (trainer.drafts.DRAFTS key) -> its exporter
 
 
-def eagle3_key_map(fmt: str) -> dict[str, str]:
-    """Our name -> the name in `fmt`'s safetensors. One to one, every tensor."""
-    if fmt == "vllm":
-        return {k: k for k in EAGLE3_TENSORS}
-    if fmt == "speculators":
-        return {k: k.replace("midlayer.", "layers.0.", 1) for k in EAGLE3_TENSORS}
-    raise DraftsmithError(f"unknown export format '{fmt}'; use one of {', '.join(FORMATS)}")
-
-
-KEY_MAPS = {"eagle3": eagle3_key_map}  # algorithm -> (format -> key map)
+def exporter(algorithm: str):
+    try:
+        return EXPORTERS[algorithm]
+    except KeyError:
+        raise DraftsmithError(f"algorithm {algorithm!r} has no exporter (known: {', '.join(EXPORTERS)})") from None
 
 
 def rename_strict(state: dict, mapping: dict[str, str], what: str) -> dict:
@@ -87,11 +59,12 @@ def read_draft_dir(path: str | Path) -> tuple[dict, dict]:
     cfg = json.loads(cfg_path.read_text())
     if (path / EXPORT_MANIFEST).is_file() or "architectures" in cfg:
         raise DraftsmithError(f"'{path}' is already an export; export the trained draft folder it came from")
-    if cfg.get("algorithm") not in KEY_MAPS:
+    if cfg.get("algorithm") not in EXPORTERS:
         raise DraftsmithError(f"{cfg_path}: algorithm {cfg.get('algorithm')!r} has no exporter "
-                              f"(known: {', '.join(KEY_MAPS)})")
+                              f"(known: {', '.join(EXPORTERS)})")
     state = load_file(weights)
-    rename_strict(state, eagle3_key_map("vllm"), str(weights))
+    ours = {k: k for k in exporter(cfg["algorithm"]).TENSORS}
+    rename_strict(state, ours, str(weights))
     return cfg, state
 
 
@@ -122,48 +95,7 @@ def check_against_target(cfg: dict, target, draft_dir: Path) -> None:
                               f"'{target.name}': {'; '.join(problems)}. Export it with the target it was trained on")
 
 
-def llama_layer_config(d: dict, target, dtype: str) -> dict:
-    """The one-layer Llama config of the draft layer, as vLLM builds it (LlamaDecoderLayer fields)."""
-    tcfg = target.model.config.get_text_config()
-    rope = dict(d["rope_parameters"] or {"rope_type": "default", "rope_theta": 10000.0})
-    return {
-        "model_type": "llama",
-        "hidden_size": d["hidden_size"], "intermediate_size": d["intermediate_size"],
-        "num_attention_heads": d["num_attention_heads"], "num_key_value_heads": d["num_key_value_heads"],
-        "head_dim": d["head_dim"], "hidden_act": "silu", "rms_norm_eps": d["rms_norm_eps"],
-        "max_position_embeddings": d["max_position_embeddings"],
-        "rope_parameters": rope, "rope_theta": rope.get("rope_theta", 10000.0),
-        "attention_bias": False, "mlp_bias": False, "num_hidden_layers": 1,
-        "vocab_size": d["vocab_size"], "tie_word_embeddings": False,
-        "bos_token_id": tcfg.bos_token_id, "eos_token_id": tcfg.eos_token_id,
-        "pad_token_id": getattr(tcfg, "pad_token_id", None), "torch_dtype": dtype, "dtype": dtype,
-    }
-
-
-def eagle3_config(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int) -> dict:
-    layer = llama_layer_config(d, target, dtype)
-    eagle = {"draft_vocab_size": d["draft_vocab_size"], "target_hidden_size": d["target_hidden_size"],
-             # vLLM's convention ("entering layer i" = HF hidden_states[i]), the same as ours.
-             "eagle_aux_hidden_state_layer_ids": list(d["aux_layer_ids"]),
-             "num_aux_hidden_states": len(d["aux_layer_ids"]),  # sizes vLLM's fc input (llama_eagle3.py)
-             "norm_before_residual": bool(d["norm_before_residual"])}
-    if fmt == "vllm":
-        return {"architectures": ["LlamaForCausalLMEagle3"], **layer, **eagle}
-    target_arch = list(getattr(target.model.config, "architectures", None) or ["LlamaForCausalLM"])
-    return {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-        "transformer_layer_config": {"architectures": ["LlamaForCausalLM"], **layer},
-        **eagle, "norm_before_fc": False, "torch_dtype": dtype,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_draft_tokens}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target.name, "architectures": target_arch},
-        },
-    }
-
-
-def serve_command(target_ref: str, export_dir: str, num_draft_tokens: int, method: str = "eagle3") -> str:
+def serve_command(target_ref: str, export_dir: str, num_draft_tokens: int, method: str) -> str:
     spec = json.dumps({"method": method, "model": str(export_dir), "num_speculative_tokens": num_draft_tokens})
     return f"vllm serve {target_ref} --speculative-config '{spec}'"
 
@@ -173,22 +105,25 @@ def write_export(out: Path, cfg: dict, state: dict, target, fmt: str, dtype: str
     """Write config.json + model.safetensors + draftsmith_export.json into `out` (a fresh temp dir)."""
     from trainer.io import atomic_save_safetensors
 
+    ex = exporter(cfg["algorithm"])
+    if fmt not in ex.FORMATS:
+        raise DraftsmithError(f"format '{fmt}' is not one of {', '.join(ex.FORMATS)} for {cfg['algorithm']}")
     torch_dtype = DTYPES[dtype]
     tensors = {k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous()
-               for k, v in rename_strict(state, eagle3_key_map(fmt), "draft").items()}
+               for k, v in rename_strict(state, ex.key_map(fmt), "draft").items()}
     atomic_save_safetensors(out / WEIGHTS, tensors, metadata={"format": "pt"})
-    atomic_write_json(out / "config.json", eagle3_config(cfg["draft"], target, fmt, dtype, num_draft_tokens))
+    atomic_write_json(out / "config.json", ex.config_json(cfg["draft"], target, fmt, dtype, num_draft_tokens))
     for name in ("train_report.json",):
         if (draft_dir / name).is_file():
             shutil.copyfile(draft_dir / name, out / name)
     return write_manifest(out, {
-        "format": fmt, "algorithm": cfg["algorithm"], "method": "eagle3", "dtype": dtype, "quantization": None,
+        "format": fmt, "algorithm": cfg["algorithm"], "method": ex.METHOD, "dtype": dtype, "quantization": None,
         "source": {"draft_dir": str(draft_dir), "sha256": sha256_file(draft_dir / WEIGHTS)},
         "target": {"name": target.name, "sha256": target.content_hash, "hf_dir": target.hf_dir,
                    "license": target.license,
                    "num_layers": target.num_layers, "hidden_size": target.hidden_size,
                    "vocab_size": target.vocab_size},
-        "draft": cfg["draft"], "data": cfg.get("data"), "layer_id_convention": "vllm:entering-layer",
+        "draft": cfg["draft"], "data": cfg.get("data"), "layer_id_convention": LAYER_ID_CONVENTION,
         "num_draft_tokens": num_draft_tokens, **(extra or {})})
 
 
@@ -255,18 +190,19 @@ class FP8DynamicLinear(torch.nn.Module):
         return self.linear(xq.to(x.dtype))
 
 
-def load_export(path: str | Path, target) -> eagle3.Eagle3Draft:
+def load_export(path: str | Path, target):
     """Rebuild the draft from an export (BF16 or FP8) for the in-tree decoder: strict names,
-    FP8 weights dequantized and FP8 activation rounding simulated, on the target's device."""
+    FP8 weights dequantized and FP8 activation rounding simulated, on the target's device.
+    Returns (algorithm, draft module)."""
     manifest, _, state = read_export(path)
     if manifest["target"]["sha256"] != target.content_hash:
         raise DraftsmithError(f"export '{path}' is for {manifest['target']['name']} "
                               f"({manifest['target']['sha256'][:12]}), not {target.name} ({target.content_hash[:12]})")
     quant = manifest.get("quantization") or {}
     state, quantized = dequantize_fp8(state) if quant else (state, set())
-    inverse = {v: k for k, v in eagle3_key_map(manifest["format"]).items()}
+    inverse = {v: k for k, v in exporter(manifest["algorithm"]).key_map(manifest["format"]).items()}
     state = rename_strict(state, inverse, f"{path}/{WEIGHTS}")
-    draft = eagle3.Eagle3Draft(eagle3.Eagle3Config(**manifest["draft"]), target.backbone.embed_tokens)
+    draft = build(manifest["algorithm"], manifest["draft"], target)
     draft.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()},
                           strict=True)
     for layer in sorted(quantized):
@@ -274,11 +210,11 @@ def load_export(path: str | Path, target) -> eagle3.Eagle3Draft:
         parent_name, _, child = ours.rpartition(".")
         parent = draft.get_submodule(parent_name) if parent_name else draft
         setattr(parent, child, FP8DynamicLinear(getattr(parent, child)))
-    return draft.to(target.device, target.dtype)
+    return manifest["algorithm"], draft.to(target.device, target.dtype)
 
 
 def draft_state_from_export(path: str | Path) -> dict:
     """The tensors of a BF16/FP32 export under our names (for round-trip checks)."""
     manifest, _, state = read_export(path)
-    inverse = {v: k for k, v in eagle3_key_map(manifest["format"]).items()}
+    inverse = {v: k for k, v in exporter(manifest["algorithm"]).key_map(manifest["format"]).items()}
     return rename_strict(state, inverse, f"{path}/{WEIGHTS}")

@@ -123,20 +123,15 @@ def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None 
     best = reports[0]["best_num_draft_tokens"]["best_n"] if reports else None
     n = best or manifest["num_draft_tokens"]
     serve = formats.serve_command(target["name"], repo_id, n, manifest["method"])
-    d = manifest["draft"]
+    ex = formats.exporter(manifest["algorithm"])
     kind = (f"FP8 ({quant['scheme']}: per-channel FP8 weights, dynamic per-token FP8 activations; "
-            f"lm_head{', fc' if not quant.get('quantize_fc') else ''}, norms and the shared embedding in BF16, "
+            f"{', '.join(quant['keep_bf16'])}, norms and the shared embedding in BF16, "
             "made with AMD Quark)" if quant else manifest["dtype"].upper())
 
     lines = [f"# {repo_id.split('/')[-1]}", "",
-             f"An **EAGLE-3 draft model** for [{target['name']}](https://huggingface.co/{target['name']}), "
+             f"An **{ex.TITLE}** for [{target['name']}](https://huggingface.co/{target['name']}), "
              f"for lossless speculative decoding in vLLM. Weights: {kind}.", "",
-             f"- one Llama decoder layer (hidden {d['hidden_size']}, {d['num_attention_heads']} heads / "
-             f"{d['num_key_value_heads']} KV heads, MLP {d['intermediate_size']}), `fc` fusing the target's hidden "
-             f"states entering layers {d['aux_layer_ids']} (vLLM's `eagle_aux_hidden_state_layer_ids`)",
-             f"- draft vocabulary {d['draft_vocab_size']:,} of the target's {d['vocab_size']:,} tokens (`d2t`); "
-             "the token embedding is the target's (not included)",
-             f"- layout: {'vLLM-native `LlamaForCausalLMEagle3`' if manifest['format'] == 'vllm' else 'speculators'}",
+             *ex.describe(manifest),
              "", "## Serve it", "", "```bash", serve, "```", "",
              (f"`num_speculative_tokens` {n} is the best N measured below." if best else
               f"`num_speculative_tokens` {n} is the export's default"

@@ -11,9 +11,10 @@ activations FP8 with a dynamic per-token scale. No calibration, and the only FP8
 layout vLLM's CPU build loads. Static per-tensor `fp8` (activations calibrated)
 needs Quark's model flow and is not offered here yet.
 
-What stays BF16: `lm_head` (vLLM never quantizes it under `quark`), embeddings
-(not exported), norms (not Linear), and `fc` unless asked (AMD's shipped draft kept
-it BF16). vLLM fuses q/k/v and gate/up, so those groups are never split.
+What stays BF16 is the algorithm exporter's call (`keep_bf16`: e.g. EAGLE-3's `lm_head`,
+which vLLM never quantizes under `quark`, and `fc` unless asked, as AMD's shipped draft
+kept it); embeddings are not exported and norms are not Linear. vLLM fuses q/k/v and
+gate/up, so those groups are never split.
 
 The pitfall this module exists for: Quark matches `exclude` on its own module names
 and writes back the exact names it matched ("fc", "lm_head"). vLLM matches `exclude`
@@ -28,23 +29,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from trainer.errors import DraftsmithError
 
 QUARK_VERSION = "0.13"  # pinned in pyproject.toml; file-to-file and the exclude semantics checked against it
 SCHEMES = ("ptpc_fp8",)
-ALWAYS_BF16 = ("lm_head",)  # vLLM never quantizes lm_head under quark; keep Quark from trying
-
-
-def quark_exclude(quantize_fc: bool) -> list[str]:
-    return [*ALWAYS_BF16, *([] if quantize_fc else ["fc"])]
 
 
 def vllm_exclude(names: list[str]) -> list[str]:
     """Quark's module names -> `re:` patterns that match vLLM's runtime names of the same
-    layers: `fc` runs as `model.fc`, `lm_head` as `lm_head`; anchored so `fc` does not
-    match a future `*_fc`."""
+    layers (the exporter's `keep_bf16` values: EAGLE-3's `fc` runs as `model.fc`, `lm_head`
+    as `lm_head`); anchored so `fc` does not match a future `*_fc`."""
     return [f"re:^(.*\\.)?{name.replace('.', chr(92) + '.')}$" for name in names]
 
 
@@ -59,8 +56,9 @@ def quantization_scheme(scheme: str):
     return QLayerConfig(weight=weight, input_tensors=tokens)
 
 
-def quantize_fp8(bf16_dir: Path, out_dir: Path, scheme: str = "ptpc_fp8", quantize_fc: bool = False) -> dict:
-    """Quantize the BF16 vLLM export in `bf16_dir` into `out_dir` (which Quark recreates).
+def quantize_fp8(bf16_dir: Path, out_dir: Path, keep_bf16: dict[str, str], scheme: str = "ptpc_fp8") -> dict:
+    """Quantize the BF16 vLLM export in `bf16_dir` into `out_dir` (which Quark recreates),
+    leaving the layers named in `keep_bf16` ({Quark name: vLLM runtime name}) in BF16.
     Returns the final quantization_config."""
     os.environ.setdefault("QUARK_DISABLE_COMPILE", "1")  # torch.compile in freeze is useless on the CPU
     os.environ.setdefault("QUARK_LOG_LEVEL", "warning")  # its info lines print the whole QConfig
@@ -70,7 +68,7 @@ def quantize_fp8(bf16_dir: Path, out_dir: Path, scheme: str = "ptpc_fp8", quanti
     except ImportError as err:
         raise DraftsmithError(f"--quantize fp8 needs AMD Quark: pip install amd-quark=={QUARK_VERSION} "
                               f"({err})") from None
-    excluded = quark_exclude(quantize_fc)
+    excluded = sorted(keep_bf16)
     config = QConfig(global_quant_config=quantization_scheme(scheme), exclude=excluded)
     ModelQuantizer(config).direct_quantize_checkpoint(str(bf16_dir), str(out_dir), device="cpu")
     cfg_path = out_dir / "config.json"
@@ -80,6 +78,9 @@ def quantize_fp8(bf16_dir: Path, out_dir: Path, scheme: str = "ptpc_fp8", quanti
         raise DraftsmithError(f"Quark wrote no usable quantization_config into {cfg_path} "
                               "(vLLM needs quant_method 'quark' and an 'export' section)")
     qcfg["exclude"] = rewrite_exclude(qcfg.get("exclude", []), excluded)
+    unmatched = [rt for rt in keep_bf16.values() if not any(re.fullmatch(p[3:], rt) for p in qcfg["exclude"])]
+    if unmatched:  # the patterns must match what vLLM will call these layers
+        raise DraftsmithError(f"the rewritten exclude {qcfg['exclude']} does not match vLLM runtime names {unmatched}")
     from trainer.io import atomic_write_json
 
     atomic_write_json(cfg_path, cfg)

@@ -50,3 +50,25 @@ def one_line_errors(fn):
             raise SystemExit(2) from None
 
     return wrapper
+
+
+def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int = 0):
+    """A trained draft folder or an export (BF16, or FP8 simulated) -> (its in-tree proposer,
+    a description), through the draft registry."""
+    import json
+    from pathlib import Path
+
+    from export import formats
+    from trainer.drafts import get, load_draft
+
+    if not Path(path).is_dir():
+        raise DraftsmithError(f"draft '{path}' is neither 'ngram', a trained draft folder nor an export")
+    if (Path(path) / formats.EXPORT_MANIFEST).is_file():
+        manifest = json.loads((Path(path) / formats.EXPORT_MANIFEST).read_text())
+        kind = f"FP8 {manifest['quantization']['scheme']}" if manifest.get("quantization") else manifest["dtype"]
+        algorithm, draft = formats.load_export(path, target)
+        name = f"{algorithm} {kind} ({path})"
+    else:
+        algorithm, draft = load_draft(path, target)
+        name = f"{algorithm} ({path})"
+    return get(algorithm).Proposer(draft, draft_sampling=draft_sampling, seed=seed), name

@@ -69,6 +69,18 @@ def _open_output(out: Path, cfg: CaptureConfig, fingerprint: dict) -> None:
     atomic_write_json(state_file, fingerprint)
 
 
+def capture_layer_ids(cfg: CaptureConfig, num_layers: int) -> tuple[list[int], dict[str, list[int]]]:
+    """(the ids to store, each draft's ids). Explicit `aux_layer_ids` serve every listed draft;
+    otherwise each draft's default for this target, stored once as their sorted union."""
+    from trainer.drafts import get
+
+    if cfg.aux_layer_ids is not None:
+        ids = list(cfg.aux_layer_ids)
+        return ids, {name: ids for name in cfg.drafts}
+    per_draft = {name: get(name).default_layer_ids(num_layers) for name in cfg.drafts}
+    return sorted({i for ids in per_draft.values() for i in ids}), per_draft
+
+
 def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
     state = process_state()
     out = Path(cfg.output_dir)
@@ -77,13 +89,13 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
     if prepared["target_sha256"] != target.content_hash:
         raise DataError(f"'{cfg.data}' was prepared with target {prepared['target']} ({prepared['target_sha256'][:12]}), "
                         f"not {target.name} ({target.content_hash[:12]}); re-run prepare with this target")
-    layer_ids = list(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else target.default_aux_layer_ids()
+    layer_ids, draft_layer_ids = capture_layer_ids(cfg, target.num_layers)
     target.check_layer_ids(layer_ids)
     n = min(len(ds), cfg.max_samples or len(ds))
     fingerprint = {
         "target_sha256": target.content_hash, "data_summary_sha256": hashlib.sha256(
             (Path(cfg.data) / "summary.json").read_bytes()).hexdigest(),
-        "aux_layer_ids": layer_ids, "target_dtype": cfg.target_dtype, "store_dtype": cfg.store_dtype,
+        "aux_layer_ids": layer_ids, "draft_layer_ids": draft_layer_ids, "target_dtype": cfg.target_dtype, "store_dtype": cfg.store_dtype,
         "samples": n, "samples_per_shard": cfg.samples_per_shard, "max_tokens_per_batch": cfg.max_tokens_per_batch,
         "draft_vocab_size": cfg.draft_vocab_size,
     }
@@ -142,7 +154,8 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
                        "num_layers": target.num_layers, "hidden_size": target.hidden_size,
                        "vocab_size": target.vocab_size, "dtype": cfg.target_dtype},
             "layer_id_convention": LAYER_ID_CONVENTION,
-            "aux_layer_ids": layer_ids,
+            "aux_layer_ids": layer_ids,  # the stored columns, in this order
+            "draft_layer_ids": draft_layer_ids,  # the subset each draft algorithm trains on by default
             "store_dtype": cfg.store_dtype,
             "data": {"path": str(cfg.data), "source": prepared["source"], "regenerated": prepared["regenerated"],
                      "chat_template_sha256": prepared["chat_template_sha256"]},
@@ -171,7 +184,8 @@ def format_summary(m: dict) -> str:
     lines = [
         f"captured {m['samples']} samples, {m['tokens']:,} tokens ({m['loss_tokens']:,} loss-masked) "
         f"in {len(m['shards'])} shard(s) from {m['target']['name']}",
-        f"  aux layer ids {m['aux_layer_ids']} ({m['layer_id_convention'].split(' ')[0]}), "
+        f"  aux layer ids {m['aux_layer_ids']} ({m['layer_id_convention']}; "
+        + ", ".join(f"{k}: {v}" for k, v in m["draft_layer_ids"].items()) + "), "
         f"H={m['target']['hidden_size']}, stored {m['store_dtype']}",
         f"  bytes/token on disk {bpt['on_disk']:.1f} (expected {bpt['expected']:.1f})",
         f"  draft vocab: {m['draft_vocab']['size']} tokens cover {100 * m['draft_vocab']['coverage']:.2f}% "

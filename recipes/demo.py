@@ -1,10 +1,12 @@
 """The demo: the whole pipeline on the embedded target (SmolLM2-135M-Instruct) in about
-15 minutes on 2 CPU cores: prepare a ShareGPT slice -> capture hidden states -> train an
-EAGLE-3 draft -> export it BF16 and FP8 (AMD Quark) -> evaluate both with the in-tree
-decoder -> a table and the `vllm serve` command for the result.
+15 minutes on 2 CPU cores: prepare a ShareGPT slice -> capture hidden states -> train a
+draft (`algorithm=`, EAGLE-3 by default) -> export it BF16 and FP8 (AMD Quark) -> evaluate
+both with the in-tree decoder -> a table and the `vllm serve` command for the result.
 
     make demo                      (sets up .venv, then runs this)
     python -m recipes.demo --config recipes/configs/smollm2-135m/demo.yaml [key=value ...]
+
+An earlier demo's output_dir is never replaced unless overwrite=true is given.
 """
 
 from __future__ import annotations
@@ -18,16 +20,20 @@ from recipes import eval as eval_recipe
 from recipes import export as export_recipe
 from recipes._common import one_line_errors, parse_args
 from trainer.config import DemoConfig, EvalConfig, ExportConfig
+from trainer.errors import DraftsmithError
 
 
 def run(cfg: DemoConfig, argv: list[str] | None = None) -> dict:
     out = Path(cfg.output_dir)
     overwrite = cfg.overwrite
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise DraftsmithError(f"demo output_dir '{out}' holds an earlier run; pass overwrite=true to replace it "
+                              "(make demo ARGS=overwrite=true) or output_dir=another/folder")
     cfg.prepare.target = cfg.capture.target = cfg.train.target = cfg.target
     cfg.prepare.output_dir = str(out / "prepared")
     cfg.capture.data = cfg.prepare.output_dir
     cfg.capture.output_dir = cfg.train.data = str(out / "capture")
-    cfg.train.output_dir = str(out / "eagle3")
+    cfg.train.output_dir = str(out / cfg.algorithm)
     cfg.prepare.overwrite = cfg.capture.overwrite = cfg.train.overwrite = overwrite or cfg.prepare.overwrite
     n = cfg.num_draft_tokens
     exports = {"bf16": ExportConfig(draft=cfg.train.output_dir, output_dir=str(out / "export-bf16"),
@@ -47,7 +53,7 @@ def run(cfg: DemoConfig, argv: list[str] | None = None) -> dict:
     manifest = capture.run(cfg.capture, argv)
     print(capture.format_summary(manifest))
 
-    print(f"[3/6] train EAGLE-3: {cfg.train.max_steps} steps -> {cfg.train.output_dir}")
+    print(f"[3/6] train {cfg.algorithm}: {cfg.train.max_steps} steps -> {cfg.train.output_dir}")
     trained = train.run(cfg.train, argv)
     print(train.format_report(trained))
 
@@ -74,7 +80,9 @@ def format_table(results: dict, trained: dict) -> str:
     ev0 = results["bf16"]["eval"]
     head = (f"{'draft':<8}{'τ':>7}" + "".join(f"{'acc@' + str(k):>8}" for k in range(1, n + 1))
             + f"{'tok/s':>8}{'speedup':>9}{'best N':>8}{'weights':>11}")
-    rows = [f"EAGLE-3 draft, {trained['steps']} training steps; in-tree eval on {ev0['dataset']} "
+    from export.formats import exporter
+
+    rows = [f"{exporter(trained['algorithm']).TITLE}, {trained['steps']} training steps; in-tree eval on {ev0['dataset']} "
             f"({ev0['prompts']} prompts, greedy, N={n}); acc@k = conditional acceptance at draft position k",
             head, "-" * len(head)]
     sizes = {name: r["export"]["files"]["model.safetensors"]["bytes"] for name, r in results.items()}
@@ -85,7 +93,8 @@ def format_table(results: dict, trained: dict) -> str:
                     + f"{e['best_num_draft_tokens']['best_n']:>8}{sizes[name] / 1e6:>8.1f} MB")
     fp8, bf16 = results["fp8"], results["bf16"]
     rows.append(f"FP8 vs BF16: τ {fp8['eval']['tau'] / bf16['eval']['tau'] - 1:+.1%}, weights "
-                f"{sizes['fp8'] / sizes['bf16'] - 1:+.1%} (lm_head and fc stay BF16)")
+                f"{sizes['fp8'] / sizes['bf16'] - 1:+.1%} ({', '.join(fp8['export']['quantization']['keep_bf16'])} "
+                "stay BF16)")
     gate = fp8["export"].get("gate")
     if gate:
         rows.append(f"FP8 gate at export: τ {gate['tau_fp8']:.3f} vs {gate['tau_bf16']:.3f} "
@@ -99,9 +108,6 @@ def format_table(results: dict, trained: dict) -> str:
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(DemoConfig, argv, __doc__.splitlines()[0])
-    if Path(cfg.output_dir).exists() and not cfg.overwrite:
-        print(f"demo: {cfg.output_dir} exists; re-running with overwrite=true")
-        cfg.overwrite = True
     run(cfg, argv)
 
 

@@ -10,35 +10,30 @@ decoding on the same prompts, and the best num_speculative_tokens.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from recipes._common import one_line_errors, parse_flags
+from recipes._common import load_proposer, one_line_errors, parse_flags
 from trainer.config import EvalConfig, to_yaml
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, write_run_files
 
 FLAGS = {"--target": "target", "--draft": "draft", "--dataset": "dataset", "--num-draft-tokens": "num_draft_tokens",
          "--temperature": "temperature", "--top-p": "top_p", "--top-k": "top_k", "--num-prompts": "num_prompts",
-         "--max-new-tokens": "max_new_tokens", "--batch-size": "batch_size", "--output-dir": "output_dir"}
+         "--max-new-tokens": "max_new_tokens", "--batch-size": "batch_size", "--output-dir": "output_dir",
+         "--draft-sampling": "draft_sampling"}
 
 
 def make_draft(cfg: EvalConfig, target):
-    from export import formats
-    from trainer.drafts import load_draft
-    from trainer.drafts.eagle3 import Eagle3Proposer
     from trainer.speculative import NGramDraft
 
     if cfg.draft == "ngram":
         return NGramDraft(), "ngram (prompt lookup)"
-    if not Path(cfg.draft).is_dir():
-        raise DraftsmithError(f"draft '{cfg.draft}' is neither 'ngram', a trained draft folder nor an export")
-    if (Path(cfg.draft) / formats.EXPORT_MANIFEST).is_file():  # an export: BF16, or FP8 simulated
-        manifest = json.loads((Path(cfg.draft) / formats.EXPORT_MANIFEST).read_text())
-        kind = f"FP8 {manifest['quantization']['scheme']}" if manifest.get("quantization") else manifest["dtype"]
-        return Eagle3Proposer(formats.load_export(cfg.draft, target)), f"eagle3 {kind} ({cfg.draft})"
-    return Eagle3Proposer(load_draft(cfg.draft, target)), f"eagle3 ({cfg.draft})"
+    draft, name = load_proposer(cfg.draft, target, cfg.draft_sampling, cfg.seed)
+    if draft.max_draft_tokens is not None and cfg.num_draft_tokens > draft.max_draft_tokens:
+        raise DraftsmithError(f"num_draft_tokens={cfg.num_draft_tokens} is more than this draft proposes "
+                              f"({draft.max_draft_tokens}); use at most {draft.max_draft_tokens}")
+    return draft, name
 
 
 def run(cfg: EvalConfig, argv=None) -> dict:
@@ -52,7 +47,7 @@ def run(cfg: EvalConfig, argv=None) -> dict:
     tok = target.tokenizer
     prompts = chat_prompt_ids(tok, load_prompts(cfg.dataset, cfg.num_prompts))
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    common = dict(sampling=sampling, eos_token_ids=[tok.eos_token_id], batch_size=cfg.batch_size, seed=cfg.seed)
+    common = dict(sampling=sampling, eos_token_ids=target.eos_token_ids, batch_size=cfg.batch_size, seed=cfg.seed)
     ar = measure(target, None, prompts, cfg.max_new_tokens, progress="eval: autoregressive", **common)
     sp = measure(target, draft, prompts, cfg.max_new_tokens, cfg.num_draft_tokens, progress="eval: speculative",
                  **common)
@@ -64,7 +59,8 @@ def run(cfg: EvalConfig, argv=None) -> dict:
     report = {
         "target": target.name, "target_sha256": target.content_hash, "draft": draft_name,
         "dataset": cfg.dataset, "prompts": len(prompts), "num_draft_tokens": N,
-        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k},
+        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+                     "draft_sampling": cfg.draft_sampling},
         "tau": sp.tau, "cumulative_acceptance": sp.cumulative_acceptance,
         "conditional_acceptance": sp.conditional_acceptance,
         "speculative": {"tokens": sp.generated, "seconds": sp.total_s, "tokens_per_s": sp.tokens_per_s,

@@ -1,5 +1,6 @@
 """Export a trained draft as a folder vLLM loads with `--speculative-config`, in BF16 or
-FP8 (AMD Quark, LM head and fc kept BF16), and gate the FP8 draft on its acceptance.
+FP8 (AMD Quark; the algorithm's exporter names what stays BF16, e.g. EAGLE-3's lm_head and
+fc), and gate the FP8 draft on its acceptance.
 
     draftsmith export --draft runs/demo/eagle3 --output-dir runs/demo/export-bf16
     draftsmith export --draft runs/demo/eagle3 --output-dir runs/demo/export-fp8 --quantize fp8
@@ -43,6 +44,11 @@ def run(cfg: ExportConfig, argv=None) -> dict:
     try:
         target = load_target(cfg.target)
         formats.check_against_target(draft_cfg, target, draft_dir)
+        ex = formats.exporter(draft_cfg["algorithm"])
+        if cfg.format not in ex.FORMATS or (cfg.quantize == "fp8" and cfg.format not in ex.FP8_FORMATS):
+            allowed = ex.FP8_FORMATS if cfg.quantize == "fp8" else ex.FORMATS
+            raise DraftsmithError(f"format '{cfg.format}'{' with quantize=fp8' if cfg.quantize == 'fp8' else ''} is not "
+                                  f"written for {draft_cfg['algorithm']}; use one of {', '.join(allowed)}")
         extra = {"command": "draftsmith export " + " ".join(argv or [])}
         if cfg.quantize == "none":
             manifest = formats.write_export(staging, draft_cfg, state, target, cfg.format, cfg.dtype,
@@ -55,7 +61,7 @@ def run(cfg: ExportConfig, argv=None) -> dict:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest["serve"] = formats.serve_command(target.hf_dir, str(out), cfg.num_draft_tokens)
+    manifest["serve"] = formats.serve_command(target.hf_dir, str(out), cfg.num_draft_tokens, manifest["method"])
     return manifest
 
 
@@ -69,15 +75,16 @@ def export_fp8(cfg: ExportConfig, staging: Path, draft_cfg: dict, state: dict, t
         bf16.mkdir()
         bf16_manifest = formats.write_export(bf16, draft_cfg, state, target, "vllm", "bfloat16",
                                              cfg.num_draft_tokens, draft_dir, extra)
-        print(f"quantizing with AMD Quark ({cfg.fp8_scheme}; lm_head{'' if cfg.quantize_fc else ', fc'} stay BF16)")
-        qcfg = quark.quantize_fp8(bf16, staging, cfg.fp8_scheme, cfg.quantize_fc)
+        keep = formats.exporter(draft_cfg["algorithm"]).keep_bf16(cfg.quantize_fc)
+        print(f"quantizing with AMD Quark ({cfg.fp8_scheme}; {', '.join(sorted(keep))} stay BF16)")
+        qcfg = quark.quantize_fp8(bf16, staging, keep, cfg.fp8_scheme)
         (staging / formats.EXPORT_MANIFEST).unlink(missing_ok=True)  # Quark copied the BF16 one
         (staging / "model.safetensors.index.json").unlink(missing_ok=True)  # one file: the index is noise
         bf16_bytes = (bf16 / formats.WEIGHTS).stat().st_size
         fp8_bytes = (staging / formats.WEIGHTS).stat().st_size
         manifest = {**{k: v for k, v in bf16_manifest.items() if k != "files"},
                     "quantization": {"tool": "amd-quark", "scheme": cfg.fp8_scheme, "exclude": qcfg["exclude"],
-                                     "quantize_fc": cfg.quantize_fc},
+                                     "keep_bf16": sorted(keep), "quantize_fc": cfg.quantize_fc},
                     "size": {"bf16_bytes": bf16_bytes, "fp8_bytes": fp8_bytes, "ratio": fp8_bytes / bf16_bytes}}
         if cfg.gate:
             manifest["gate"] = fp8_gate(cfg, bf16, staging, manifest, target)
@@ -86,8 +93,8 @@ def export_fp8(cfg: ExportConfig, staging: Path, draft_cfg: dict, state: dict, t
 
 def fp8_gate(cfg: ExportConfig, bf16_dir: Path, fp8_dir: Path, manifest: dict, target) -> dict:
     from export import formats
+    from recipes._common import load_proposer
     from trainer.data.evalsets import chat_prompt_ids, load_prompts
-    from trainer.drafts.eagle3 import Eagle3Proposer
     from trainer.speculative import measure
 
     # the FP8 folder is not complete yet: give load_export the manifest it checks
@@ -96,9 +103,9 @@ def fp8_gate(cfg: ExportConfig, bf16_dir: Path, fp8_dir: Path, manifest: dict, t
     prompts = chat_prompt_ids(tok, load_prompts(cfg.gate_dataset, cfg.gate_prompts))
     taus = {}
     for name, path in (("bf16", bf16_dir), ("fp8", fp8_dir)):
-        draft = Eagle3Proposer(formats.load_export(path, target))
+        draft, _ = load_proposer(str(path), target)
         stats = measure(target, draft, prompts, cfg.gate_max_new_tokens, cfg.num_draft_tokens,
-                        eos_token_ids=[tok.eos_token_id], progress=f"FP8 gate: {name} draft")
+                        eos_token_ids=target.eos_token_ids, progress=f"FP8 gate: {name} draft")
         taus[name] = stats.tau
     change = taus["fp8"] / taus["bf16"] - 1 if taus["bf16"] else 0.0
     gate = {"dataset": cfg.gate_dataset, "prompts": len(prompts), "max_new_tokens": cfg.gate_max_new_tokens,
@@ -116,14 +123,14 @@ def fp8_gate(cfg: ExportConfig, bf16_dir: Path, fp8_dir: Path, manifest: dict, t
 def format_summary(m: dict) -> str:
     lines = [f"export: {m['algorithm']} draft for {m['target']['name']}, format {m['format']}, "
              f"{'FP8 ' + m['quantization']['scheme'] if m.get('quantization') else m['dtype']}",
-             f"  aux layer ids {m['draft']['aux_layer_ids']} (vLLM convention), draft vocab "
+             f"  aux layer ids {m['draft']['aux_layer_ids']} ({m['layer_id_convention']}), draft vocab "
              f"{m['draft']['draft_vocab_size']}, files: " + ", ".join(f"{k} ({v['bytes'] / 1e6:.1f} MB)"
                                                                    for k, v in m["files"].items()
                                                                    if v["bytes"] > 100_000)]
     if m.get("size"):
         s = m["size"]
         lines.append(f"  weights {s['fp8_bytes'] / 1e6:.1f} MB FP8 vs {s['bf16_bytes'] / 1e6:.1f} MB BF16 "
-                     f"({1 - s['ratio']:.0%} smaller; lm_head and fc stay BF16)")
+                     f"({1 - s['ratio']:.0%} smaller; {', '.join(m['quantization']['keep_bf16'])} stay BF16)")
     if m.get("gate"):
         g = m["gate"]
         lines.append(f"  FP8 gate on {g['dataset']} ({g['prompts']} prompts, N={g['num_draft_tokens']}): "

@@ -1,4 +1,4 @@
-"""Train a draft (EAGLE-3) on a capture, or on the target in the loop.
+"""Train a draft (any registered algorithm: trainer.drafts.DRAFTS) on a capture, or on the target in the loop.
 
     python recipes/train.py --config recipes/configs/smollm2-135m/eagle3.yaml
     accelerate launch recipes/train.py --config recipes/configs/smollm2-135m/eagle3.yaml
@@ -6,7 +6,12 @@
 
 Reads top to bottom: config -> target -> data -> draft -> optimizer -> the loop ->
 save. accelerate does processes, accumulation, clipping, checkpoint state and
-trackers; the draft module owns its training step (trainer/drafts/<algorithm>.py).
+trackers; the draft module owns its labels and training step (trainer/drafts/<algorithm>.py).
+
+The recipe config is the one source of the batch, accumulation and clipping: a launch
+file that sets them differently is refused, and after `prepare` the engine's effective
+values are checked against the config. The LR schedule counts optimizer updates (it is
+stepped once per update, whatever the number of processes).
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from trainer.config import TrainConfig, to_yaml
 from trainer.data.collate import CapturedSamples, PreparedSamples, collate
 from trainer.data.shards import DRAFT_VOCAB, load_manifest
 from trainer.dist import check_world_size, flag
-from trainer.drafts import DRAFTS
+from trainer.drafts import TrainStep, get
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, write_run_files
-from trainer.target import load_target
+from trainer.metrics import simulated_tau
+from trainer.target import LAYER_ID_CONVENTION, load_target
 
 
 class Progress:
@@ -47,14 +53,39 @@ class Progress:
         self.step, self.epoch, self.micro_in_epoch = s["step"], s["epoch"], s["micro_in_epoch"]
 
 
+# What a launch file may set that the recipe config owns (accelerate's env beats code).
+LAUNCH_OVERRIDES = {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "gradient_accumulation_steps",
+                    "ACCELERATE_GRADIENT_CLIPPING": "max_grad_norm"}
+
+
+def check_launch_env(cfg: TrainConfig) -> None:
+    """One line if the accelerate launch config sets what the recipe config owns, differently."""
+    for var, key in LAUNCH_OVERRIDES.items():
+        value = os.environ.get(var)
+        if value is None or value == "auto":
+            continue
+        if value.lower() in ("none", "false"):  # accelerate's "not set" for clipping
+            continue
+        if float(value) != float(getattr(cfg, key)):
+            raise DraftsmithError(f"the accelerate launch config sets {var}={value} but the recipe config has "
+                                  f"{key}={getattr(cfg, key)}; remove it from the launch file (the recipe config "
+                                  "is the one source) or set the recipe's value")
+
+
 def make_accelerator(cfg: TrainConfig, out: Path):
-    from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+    from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin, InitProcessGroupKwargs
     from accelerate.utils import ProjectConfiguration
 
+    check_launch_env(cfg)
     deepspeed = flag("ACCELERATE_USE_DEEPSPEED")
     on_cpu = flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     precision = ("bf16" if not on_cpu else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
+    plugin = None
+    if deepspeed:  # stage, offload etc. from the launch file; accumulation and clipping from the recipe
+        plugin = DeepSpeedPlugin(gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                 gradient_clipping=cfg.max_grad_norm or None)
+        plugin.deepspeed_config["gradient_clipping"] = float(cfg.max_grad_norm)  # 0 = off (not accelerate's 1.0)
     try:
         import tensorboard  # noqa: F401
 
@@ -64,6 +95,11 @@ def make_accelerator(cfg: TrainConfig, out: Path):
     accelerator = Accelerator(
         # DeepSpeed picks its own accelerator (its CPU one here); accelerate's cpu=True would bypass it.
         cpu=on_cpu and not deepspeed, mixed_precision=precision, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        deepspeed_plugin=plugin,
+        # The schedule counts optimizer updates: step it on sync_gradients ourselves. accelerate's
+        # default steps it num_processes times per update (accelerate/scheduler.py), which ends a
+        # cosine schedule halfway on 2 processes and climbs back.
+        step_scheduler_with_optimizer=False,
         log_with=trackers,
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs"),
                                             automatic_checkpoint_naming=True, total_limit=cfg.keep_last),
@@ -75,8 +111,27 @@ def make_accelerator(cfg: TrainConfig, out: Path):
     return accelerator
 
 
+def check_effective(cfg: TrainConfig, accelerator, model) -> dict:
+    """The engine's effective accumulation, clipping and micro-batch must be the config's."""
+    have = {"gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+            "batch_size": cfg.batch_size, "max_grad_norm": cfg.max_grad_norm}
+    if hasattr(model, "gradient_accumulation_steps") and hasattr(model, "train_micro_batch_size_per_gpu"):
+        have = {"gradient_accumulation_steps": model.gradient_accumulation_steps(),  # a DeepSpeed engine
+                "batch_size": model.train_micro_batch_size_per_gpu(),
+                "max_grad_norm": float(model.gradient_clipping() or 0.0)}
+    wrong = [f"{k} {v} (config {getattr(cfg, k)})" for k, v in have.items() if float(v) != float(getattr(cfg, k))]
+    if wrong:
+        raise DraftsmithError(f"the launched engine trains with {', '.join(wrong)}; a launch or DeepSpeed config "
+                              "overrides the recipe: remove those keys from it")
+    return {**have, "world_size": accelerator.num_processes,
+            "effective_batch": cfg.batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes}
+
+
 def load_data(cfg: TrainConfig, target):
-    """(dataset, aux layer ids, d2t, t2d, data description), validated against the target."""
+    """(dataset, the draft's aux layer ids, d2t, t2d, data description), validated against the target.
+    The draft's ids: draft.aux_layer_ids, else the capture's choice for this algorithm, else
+    the algorithm's default; a capture holding more layers serves each draft its subset."""
+    algo = get(cfg.algorithm)
     if cfg.online:
         from trainer.data.prepared import load_prepared
         from trainer.data.vocab import build_draft_vocab, token_counts
@@ -86,7 +141,7 @@ def load_data(cfg: TrainConfig, target):
             raise DraftsmithError(f"'{cfg.data}' was prepared with {summary['target']}, not {target.name}")
         counts = sum(token_counts(b["input_ids"], b["loss_mask"], target.vocab_size) for b in ds.iter(1024))
         d2t, t2d = build_draft_vocab(counts, min(cfg.draft_vocab_size, target.vocab_size))
-        ids = list(cfg.aux_layer_ids) if cfg.aux_layer_ids else target.default_aux_layer_ids()
+        ids = list(cfg.draft.aux_layer_ids or algo.default_layer_ids(target.num_layers))
         target.check_layer_ids(ids)
         return PreparedSamples(ds, cfg.max_length), ids, d2t, t2d, {"prepared": str(cfg.data)}
     info = load_manifest(cfg.data)
@@ -98,12 +153,11 @@ def load_data(cfg: TrainConfig, target):
     if mismatch:
         raise DraftsmithError(f"capture '{cfg.data}' was made from {t['name']}, not this target ({target.name}): "
                               f"{'; '.join(mismatch)}; capture again with this target")
-    ids = m["aux_layer_ids"]
-    if cfg.draft.aux_layer_ids and list(cfg.draft.aux_layer_ids) != ids:
-        raise DraftsmithError(f"draft.aux_layer_ids {list(cfg.draft.aux_layer_ids)} != the capture's {ids} "
-                              f"({m['layer_id_convention']}); drop draft.aux_layer_ids or capture with these ids")
+    ids = list(cfg.draft.aux_layer_ids or m["draft_layer_ids"].get(cfg.algorithm)
+               or algo.default_layer_ids(target.num_layers))
     vocab = load_file(info.path / DRAFT_VOCAB)
-    return CapturedSamples(info.path, cfg.max_length), ids, vocab["d2t"], vocab["t2d"], {"capture": str(cfg.data)}
+    dataset = CapturedSamples(info.path, cfg.max_length, ids)  # refuses ids the capture does not hold
+    return dataset, ids, vocab["d2t"], vocab["t2d"], {"capture": str(cfg.data)}
 
 
 def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
@@ -124,16 +178,16 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     set_seed(cfg.seed)
-    algo = DRAFTS[cfg.algorithm]
+    algo = get(cfg.algorithm)
 
     # The frozen target: its embedding feeds the draft; its head gives the training targets.
     target = load_target(cfg.target, "float32" if accelerator.device.type == "cpu" else "bfloat16", accelerator.device)
     dataset, aux_ids, d2t, t2d, data_desc = load_data(cfg, target)
     draft_cfg = dataclasses.replace(cfg.draft).fill_from_target(target.model.config.get_text_config(), aux_ids,
                                                                  int(d2t.numel()))
-    draft = algo.Eagle3Draft(draft_cfg, target.backbone.embed_tokens)
+    draft = algo.Draft(draft_cfg, target.backbone.embed_tokens)
     draft.set_vocab(d2t, t2d)
-    model = algo.TTTModule(draft, cfg.ttt_steps, cfg.step_decay)
+    model = TrainStep(cfg.algorithm, draft)
     draft.gradient_checkpointing = cfg.gradient_checkpointing
 
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -144,6 +198,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                                   weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, min(cfg.warmup_steps, total_steps), total_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    effective = check_effective(cfg, accelerator, model)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     if cfg.resume is not None:
@@ -153,9 +208,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
         accelerator.init_trackers("draftsmith", config={k: v for k, v in dataclasses.asdict(cfg).items()
                                                          if isinstance(v, (int, float, str, bool))})
 
-    draft_ids = draft.draft_to_target().to(accelerator.device)
-    t2d = draft.t2d.to(accelerator.device)  # [V] bool: target id in the draft vocabulary
-    window = _Window(cfg.ttt_steps, accelerator.device)
+    window = _Window(draft_cfg.num_positions, accelerator.device)
     history = []
     bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step",
                disable=not accelerator.is_local_main_process)
@@ -172,15 +225,15 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
 
                 batch.update(capture_batch(target, batch["input_ids"], batch["attention_mask"], aux_ids))
             with accelerator.accumulate(model):
-                target_p, batch["target_top_in_vocab"] = algo.target_labels(target, batch["last_hidden_state"],
-                                                                            draft_ids, t2d)
+                labels = algo.target_labels(target, batch, draft)  # no grad
                 with accelerator.autocast():
-                    metrics = model(batch, target_p)
+                    metrics = model(batch, labels)
                 accelerator.backward(metrics.loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)  # DeepSpeed: its own
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients:  # once per optimizer update (see make_accelerator)
+                    scheduler.step()
                 optimizer.zero_grad()
             window.add(metrics, batch["attention_mask"].sum())
             if not accelerator.sync_gradients:
@@ -208,6 +261,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     accelerator.wait_for_everyone()
     report = {"steps": progress.step, "history": history, "final": history[-1] if history else {},
               "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
+              "algorithm": cfg.algorithm, "effective": effective, "total_steps": total_steps,
               "seconds": time.perf_counter() - t0}
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards; every rank must call it
     if accelerator.is_main_process:
@@ -232,7 +286,7 @@ def save_draft(out: Path, algorithm: str, draft, state: dict, target, data_desc:
         "target": {"name": target.name, "path": target.path, "sha256": target.content_hash,
                    "num_layers": target.num_layers, "hidden_size": target.hidden_size,
                    "vocab_size": target.vocab_size},
-        "layer_id_convention": "vllm:entering-layer", "data": data_desc})
+        "layer_id_convention": LAYER_ID_CONVENTION, "data": data_desc})
 
 
 def _checkpoint_dir(out: Path, resume: str) -> str:
@@ -258,12 +312,9 @@ class _Window:
 
     def add(self, m, tokens: torch.Tensor):
         self.sums += torch.cat([torch.stack([m.loss.detach().float(), torch.ones((), device=self.device),
-                                             tokens.float()]),
-                                torch.stack(m.step_correct).float(), torch.stack(m.step_count).float()])
+                                             tokens.float()]), m.correct.float(), m.count.float()])
 
     def reduce(self, accelerator) -> dict:
-        from trainer.drafts.eagle3 import simulated_tau
-
         packed = accelerator.reduce(self.sums, reduction="sum").cpu()
         loss, n, tokens = packed[:3].tolist()
         acc = (packed[3:3 + self.k] / packed[3 + self.k:].clamp(min=1)).tolist()
@@ -273,7 +324,8 @@ class _Window:
 
 def format_report(r: dict) -> str:
     f = r["final"]
-    return (f"trained {r['steps']} steps on {r['world_size']} process(es) in {r['seconds']:.0f} s: "
+    return (f"trained {r['algorithm']} {r['steps']} steps on {r['world_size']} process(es) "
+            f"(effective batch {r['effective']['effective_batch']}) in {r['seconds']:.0f} s: "
             f"loss {f.get('loss', float('nan')):.3f}, simulated τ {f.get('tau', float('nan')):.2f}, "
             f"{f.get('tokens_per_s', 0):.0f} tokens/s\n  per-step accuracy "
             + " ".join(f"{a:.2f}" for a in f.get("acc", [])))

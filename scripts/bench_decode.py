@@ -28,14 +28,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
-    ap.add_argument("--draft", default=None, help="a trained EAGLE-3 draft folder")
+    ap.add_argument("--draft", default=None, help="a trained draft folder or an export (any algorithm)")
     args = ap.parse_args()
 
     target = load_target("smollm2-135m-instruct")
     tok = target.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                        tokenize=True)["input_ids"] for p in load_prompts(args.dataset, args.prompts)]
-    eos = [tok.eos_token_id]
+    eos = target.eos_token_ids
     N = args.num_draft_tokens
 
     def in_tree(draft):
@@ -64,10 +64,10 @@ def main() -> None:
     rows[f"HF prompt lookup (N={N})"] = (hf(prompt_lookup_num_tokens=N), None)
     rows[f"in-tree speculative, n-gram (N={N})"] = in_tree(NGramDraft())
     if args.draft:
-        from trainer.drafts import load_draft
-        from trainer.drafts.eagle3 import Eagle3Proposer
+        from recipes._common import load_proposer
 
-        rows[f"in-tree speculative, EAGLE-3 (N={N})"] = in_tree(Eagle3Proposer(load_draft(args.draft, target)))
+        proposer, name = load_proposer(args.draft, target)
+        rows[f"in-tree speculative, {name.split(' ')[0]} (N={N})"] = in_tree(proposer)
     base = rows["HF generate (greedy)"][0]
     best_hf = max(rows["HF generate (greedy)"][0], rows[f"HF prompt lookup (N={N})"][0])
     print(f"SmolLM2-135M-Instruct, {len(prompts)} {args.dataset} prompts, batch 1, greedy, "

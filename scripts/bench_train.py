@@ -18,13 +18,15 @@ import time
 
 import torch
 
-from trainer.drafts.eagle3 import Eagle3Config, Eagle3Draft, training_step
+from trainer.drafts import get
+
+eagle3 = get("eagle3")  # the draft contract (trainer/drafts/__init__.py)
 
 # Dense bf16 peak TFLOP/s by device name (vendor datasheets).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.0, "MI325X": 1307.0, "MI355X": 2300.0, "A100": 312.0}
 
 
-def draft_flops_per_token(cfg: Eagle3Config, T: int, K: int) -> float:
+def draft_flops_per_token(cfg, T: int, K: int) -> float:
     """fwd+bwd FLOPs per token for K TTT steps (matmuls: 2 per MAC, x3 for backward)."""
     H, inter, hd, nh, nkv, Vd = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads,
                              cfg.num_key_value_heads, cfg.draft_vocab_size)
@@ -35,10 +37,10 @@ def draft_flops_per_token(cfg: Eagle3Config, T: int, K: int) -> float:
     return 6.0 * (fc + K * (layer + head) + sum(attn))
 
 
-def run_steps(draft, batch, target_p, K, steps, optimizer) -> float:
+def run_steps(draft, batch, labels, steps, optimizer) -> float:
     t0 = time.perf_counter()
     for _ in range(steps):
-        m = training_step(draft, batch, target_p, K, 0.8)
+        m = eagle3.training_step(draft, batch, labels)
         m.loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -51,23 +53,22 @@ def bench_smollm2(capture: str, steps: int, K: int) -> None:
     from recipes.train import load_data
     from trainer.config import TrainConfig
     from trainer.data.collate import collate
-    from trainer.drafts.eagle3 import target_probs
     from trainer.target import load_target
 
     target = load_target("smollm2-135m-instruct")
     cfg = TrainConfig(data=capture, output_dir="-", max_length=1024)
     ds, ids, d2t, t2d, _ = load_data(cfg, target)
-    dcfg = Eagle3Config().fill_from_target(target.model.config, ids, int(d2t.numel()))
-    draft = Eagle3Draft(dcfg, target.backbone.embed_tokens)
+    dcfg = eagle3.Config(ttt_steps=K).fill_from_target(target.model.config, ids, int(d2t.numel()))
+    draft = eagle3.Draft(dcfg, target.backbone.embed_tokens)
     draft.set_vocab(d2t, t2d)
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)
     batches = [collate([ds[i]]) for i in range(min(steps, len(ds)))]
-    probs = [target_probs(target, b["last_hidden_state"], draft.draft_to_target()) for b in batches]
+    labels = [eagle3.target_labels(target, b, draft) for b in batches]
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    run_steps(draft, batches[0], probs[0], K, 1, opt)  # warm-up
+    run_steps(draft, batches[0], labels[0], 1, opt)  # warm-up
     t0 = time.perf_counter()
-    for b, p in zip(batches, probs):
-        run_steps(draft, b, p, K, 1, opt)
+    for b, p in zip(batches, labels):
+        run_steps(draft, b, p, 1, opt)
     train_s = time.perf_counter() - t0
     # Baseline: the same dense layers fwd+bwd once per TTT step, without the unroll's attention.
     t0 = time.perf_counter()
@@ -96,22 +97,23 @@ def bench_8b(steps: int, K: int, T: int) -> None:
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    cfg = Eagle3Config(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+    cfg = eagle3.Config(ttt_steps=K, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                        head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, target_hidden_size=4096,
                        vocab_size=128256, draft_vocab_size=32000, aux_layer_ids=[2, 16, 29])
     embed = torch.nn.Embedding(cfg.vocab_size, 4096).to(dev, torch.bfloat16).requires_grad_(False)
-    draft = Eagle3Draft(cfg, embed).to(dev)
+    draft = eagle3.Draft(cfg, embed).to(dev)
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, fused=True)
     batch = {"input_ids": torch.randint(0, cfg.vocab_size, (1, T), device=dev),
              "loss_mask": torch.ones(1, T, dtype=torch.long, device=dev),
              "attention_mask": torch.ones(1, T, dtype=torch.long, device=dev),
              "aux_hidden_states": torch.randn(1, T, 3 * 4096, device=dev)}
-    target_p = torch.randn(1, T, 32000, device=dev).softmax(-1)
+    labels = {"p": torch.randn(1, T, 32000, device=dev).softmax(-1),
+              "in_vocab": torch.ones(1, T, dtype=torch.bool, device=dev)}
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        run_steps(draft, batch, target_p, K, 2, opt)  # warm-up
+        run_steps(draft, batch, labels, 2, opt)  # warm-up
         torch.cuda.reset_peak_memory_stats()
-        s = run_steps(draft, batch, target_p, K, steps, opt)
+        s = run_steps(draft, batch, labels, steps, opt)
     tflops = draft_flops_per_token(cfg, T, K) * T * steps / s / 1e12
     print(f"8B-shaped EAGLE-3 draft on {name}: T={T}, K={K}: {T * steps / s:,.0f} tokens/s, {tflops:.1f} TFLOP/s"
           + (f", MFU {100 * tflops / peak:.1f}% of {peak:.0f} (goal >= 40%)" if peak else "")

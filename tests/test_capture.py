@@ -36,14 +36,14 @@ def _shard_hashes(out):
 def test_shards_hold_the_targets_states(tmp_path, prepared, tiny_target_dir, tiny_target):
     m = capture.run(_cfg(prepared, tmp_path / "cap", tiny_target_dir, store_dtype="float32"))
     assert m["samples"] == 12 and len(m["shards"]) == 3
-    assert m["aux_layer_ids"] == [2, 2, 1]  # (2, L//2, L-3) for L=4
-    assert m["layer_id_convention"].startswith("vllm:entering-layer")
+    assert m["aux_layer_ids"] == [1, 2, 3] and m["draft_layer_ids"] == {"eagle3": [1, 2, 3]}  # vLLM's (2, L//2, L-3) = [2, 2, 1] is not servable for L=4
+    assert m["layer_id_convention"] == "entering-layer"
     reader = CaptureReader(tmp_path / "cap")
     assert len(reader) == 12
     H = tiny_target.hidden_size
     for i in (0, 5, 11):
         s = reader[i]
-        out = tiny_target.forward(s["input_ids"].long()[None], aux_layer_ids=[2, 2, 1])
+        out = tiny_target.forward(s["input_ids"].long()[None], aux_layer_ids=[1, 2, 3])
         torch.testing.assert_close(s["aux_hidden_states"], out.aux_hidden_states[0], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(s["last_hidden_state"], out.last_hidden_state[0], atol=1e-5, rtol=1e-4)
         assert s["aux_hidden_states"].shape == (len(s["input_ids"]), 3 * H)
@@ -69,7 +69,7 @@ def test_online_states_equal_the_shards(tmp_path, prepared, tiny_target_dir, tin
     reader = CaptureReader(tmp_path / "cap")
     seqs = [reader[i]["input_ids"].tolist() for i in range(4)]
     ids, mask = right_pad(seqs, 0)
-    online = capture_batch(tiny_target, ids, mask, [2, 2, 1], torch.bfloat16)
+    online = capture_batch(tiny_target, ids, mask, [1, 2, 3], torch.bfloat16)
     for r in range(4):
         T = len(seqs[r])
         torch.testing.assert_close(online["aux_hidden_states"][r, :T], reader[r]["aux_hidden_states"],
@@ -102,7 +102,7 @@ def test_existing_output_rules(tmp_path, prepared, tiny_target_dir):
     capture.run(_cfg(prepared, tmp_path / "cap", tiny_target_dir))
     again = capture.run(_cfg(prepared, tmp_path / "cap", tiny_target_dir))
     assert again["run"]["already_complete"]
-    with pytest.raises(DraftsmithError, match=r"made with other settings \(aux_layer_ids\)"):
+    with pytest.raises(DraftsmithError, match=r"made with other settings \(aux_layer_ids, draft_layer_ids\)"):
         capture.run(_cfg(prepared, tmp_path / "cap", tiny_target_dir, aux_layer_ids=[1, 3]))
 
 

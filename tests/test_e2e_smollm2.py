@@ -25,10 +25,19 @@ def demo_run(tmp_path_factory):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         demo.main([f"output_dir={out}", "prepare.max_records=100", "prepare.max_length=1024",
-                   "capture.max_samples=16", "capture.samples_per_shard=8", "train.max_steps=4", "train.ttt_steps=3",
+                   "capture.max_samples=16", "capture.samples_per_shard=8", "train.max_steps=4", "train.draft.ttt_steps=3",
                    "train.max_length=512", "eval_prompts=2", "eval_max_new_tokens=12", "gate_prompts=2"])
     (out / "demo.out").write_text(printed.getvalue())
     return out
+
+
+def test_demo_never_replaces_an_earlier_run_unless_told(demo_run, capsys):
+    before = sorted(p.relative_to(demo_run) for p in demo_run.rglob("*"))
+    with pytest.raises(SystemExit) as e:
+        demo.main([f"output_dir={demo_run}"])
+    assert e.value.code == 2
+    assert "holds an earlier run; pass overwrite=true" in capsys.readouterr().err
+    assert sorted(p.relative_to(demo_run) for p in demo_run.rglob("*")) == before
 
 
 def test_demo_runs_the_whole_pipeline(demo_run):
@@ -47,6 +56,7 @@ def test_demo_prints_and_writes_a_capture(demo_run):
     assert m["samples"] == 16 and len(m["shards"]) == 2
     assert m["target"]["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert m["aux_layer_ids"] == [2, 15, 27] and m["target"]["num_layers"] == 30
+    assert m["draft_layer_ids"] == {"eagle3": [2, 15, 27]} and m["layer_id_convention"] == "entering-layer"
     assert m["store_dtype"] == "bfloat16"
     # 3 aux layers + the last layer, H=576, bf16, plus int32 id and uint8 mask = 4613 bytes a token
     assert m["bytes_per_token"]["expected"] == 4 * 576 * 2 + 5

@@ -5,10 +5,11 @@ import torch
 from trainer.drafts.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
-    rotate_half,
-    simulated_tau,
+    default_layer_ids,
     training_step,
 )
+from trainer.drafts.layers import rotate_half
+from trainer.metrics import simulated_tau
 
 
 def tiny_draft(seed=0, norm_before_residual=False):
@@ -17,7 +18,7 @@ def tiny_draft(seed=0, norm_before_residual=False):
                        rms_norm_eps=1e-6, max_position_embeddings=128,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, target_hidden_size=32,
                        vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3],
-                       norm_before_residual=norm_before_residual)
+                       norm_before_residual=norm_before_residual, ttt_steps=3)
     embed = torch.nn.Embedding(50, 32)
     d = Eagle3Draft(cfg, embed)
     for p in d.parameters():  # RMSNorm weights away from 1 so that norm placement matters
@@ -112,13 +113,26 @@ def test_training_step_masks_and_counts():
     batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": torch.ones(B, T, dtype=torch.long),
              "aux_hidden_states": torch.randn(B, T, 96)}
     target_p = torch.randn(B, T, 20).softmax(-1)
-    m = training_step(d, batch, target_p, ttt_steps=K, step_decay=0.8)
+    in_vocab = torch.ones(B, T, dtype=torch.bool)
+    m = training_step(d, batch, {"p": target_p, "in_vocab": in_vocab})
     # step k predicts token i+2+k: valid positions are those with i+2+k in [5, T)
     for k in range(K):
         expected = sum(1 for i in range(T) if 5 <= i + 2 + k < T) * B
-        assert int(m.step_count[k]) == expected
+        assert int(m.count[k]) == expected
+    # a target top token outside the draft vocab is a miss, whatever the draft says
+    none = training_step(d, batch, {"p": target_p, "in_vocab": torch.zeros(B, T, dtype=torch.bool)})
+    assert int(none.correct.sum()) == 0 and torch.equal(none.count, m.count)
     m.loss.backward()
     assert d.fc.weight.grad is not None and d.lm_head.weight.grad is not None
+
+
+def test_default_layer_ids_are_valid_for_every_depth():
+    assert default_layer_ids(30) == [2, 15, 27]  # vLLM's (2, L//2, L-3)
+    assert default_layer_ids(32) == [2, 16, 29]  # Llama-3.1-8B, as vLLM computes it
+    assert default_layer_ids(4) == [1, 2, 3]  # vLLM's formula gives [2, 2, 1] here: not servable
+    for L in range(2, 80):
+        ids = default_layer_ids(L)
+        assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] <= L, (L, ids)
 
 
 def test_simulated_tau():

@@ -87,7 +87,7 @@ def test_round_trip_is_bit_identical(tmp_path, tiny_draft, tiny_target_dir, fmt)
     d = m["draft"]
     if fmt == "vllm":
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and "midlayer.fc" not in written
-        assert set(written) == set(formats.EAGLE3_TENSORS)
+        assert set(written) == set(formats.exporter('eagle3').TENSORS)
         layer = cfg
     else:
         assert cfg["speculators_model_type"] == "eagle3"
@@ -147,13 +147,18 @@ def test_refuses_existing_output_and_other_target(tmp_path, tiny_draft, tiny_tar
 
 
 def test_vllm_exclude_patterns_match_runtime_names():
-    pats = quark.vllm_exclude(["fc", "lm_head"])
     import re
+
+    from export import eagle3
+
+    keep = eagle3.keep_bf16(quantize_fc=False)
+    assert keep == {"fc": "model.fc", "lm_head": "lm_head"} and eagle3.keep_bf16(quantize_fc=True) == {"lm_head": "lm_head"}
+    pats = quark.vllm_exclude(sorted(keep))
 
     def ignored(name):  # vLLM: exact name, or re.match for "re:" entries (quantization/utils/config_utils.py)
         return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in pats)
 
-    assert ignored("model.fc") and ignored("lm_head") and ignored("fc")
+    assert all(ignored(runtime) for runtime in keep.values()) and ignored("fc")
     assert not ignored("model.layers.4.self_attn.qkv_proj") and not ignored("model.layers.4.mlp.gate_up_proj")
     assert not ignored("model.layers.4.mlp.down_proj") and not ignored("model.fc_norm")
     with pytest.raises(DraftsmithError, match="did not record"):
@@ -179,7 +184,7 @@ def test_fp8_export_with_quark(tmp_path, tiny_draft, tiny_target_dir, tiny_targe
     g = m["gate"]
     assert g["tau_bf16"] > 1.1 and abs(g["relative_change"]) <= 0.05
     # the dequantized FP8 weights are within FP8 rounding of the BF16 ones
-    fp8 = formats.load_export(out, tiny_target)
+    _, fp8 = formats.load_export(out, tiny_target)
     src = load_file(tiny_draft / "model.safetensors")
     got = fp8.midlayer.mlp.down_proj.linear.weight.float()
     ref = src["midlayer.mlp.down_proj.weight"].float()

@@ -157,26 +157,71 @@ def test_sampled_output_has_the_targets_distribution(monkeypatch):
     assert stat_bad > _chi_square_threshold(dof), stat_bad
 
 
-def test_eagle3_proposer_is_lossless_and_matches_training_step0():
-    t = tiny_target()
+def _tiny_eagle3(t):
     cfg = Eagle3Config(draft_vocab_size=128).fill_from_target(t.model.config, [1, 2, 3])
     d = Eagle3Draft(cfg, t.backbone.embed_tokens)
-    d.set_vocab(torch.arange(128) * 2 - torch.arange(128), torch.arange(t.vocab_size) % 2 == 0)
-    ar, _ = generate(t, PROMPTS, 12)
-    out, _ = generate(t, PROMPTS, 12, Eagle3Proposer(d), num_draft_tokens=3)
-    assert out == ar
-    # The proposer's first proposal logits equal the training-time step-0 logits at the last prompt position.
-    seq = PROMPTS[2]
-    prop = Eagle3Proposer(d)
+    d.set_vocab(torch.arange(128) * 2 - torch.arange(128), torch.arange(t.vocab_size) % 2 == 0)  # even ids
+    return d
+
+
+def _training_time_q(t, d, ext: list[int], i: int, K: int) -> torch.Tensor:
+    """The training-time test unrolled over `ext` (committed tokens + the proposals): the
+    draft's distribution at position i for steps 0..K-1, over the draft vocabulary. [K, Vd]"""
+    full = t.forward(torch.tensor([ext]), aux_layer_ids=[1, 2, 3])
+    ids = torch.tensor([ext])
+    hidden, cache, out = d.fc(full.aux_hidden_states), [], []
+    for k in range(K):
+        tokens = torch.cat([ids[:, 1 + k:], torch.zeros(1, 1 + k, dtype=ids.dtype)], 1)  # token i+1+k
+        hidden, logits = d.step(tokens, hidden, torch.arange(len(ext))[None] + k, cache)
+        out.append(logits[0, i].softmax(-1))
+    return torch.stack(out)
+
+
+def test_eagle3_proposer_chain_and_commit_equal_the_training_time_steps():
+    """Every chained proposal step, in a first round and again after a partial acceptance
+    (commit with rejected slots cropped), is the training-time step at the same position."""
+    t = tiny_target()
+    d = _tiny_eagle3(t)
+    N, seq = 4, PROMPTS[2]
+    prop = Eagle3Proposer(d, draft_sampling="sample", seed=0)
     session = spec.TargetSession(t, [1, 2, 3])
     _, pre = session.prefill([seq])
     prop.begin([seq], pre.aux_hidden_states, session.mask)
-    first = d.lm_head(d.norm(prop.last_hidden))  # [1, Vd]
-    full = t.forward(torch.tensor([seq]), aux_layer_ids=[1, 2, 3])
-    ids = torch.tensor([seq[1:] + [0]])
-    hidden = d.fc(full.aux_hidden_states)
-    _, logits = d.step(ids, hidden, torch.arange(len(seq))[None], [])
-    torch.testing.assert_close(first[0], logits[0, len(seq) - 2], atol=1e-4, rtol=1e-4)
+    sampling = Sampling(temperature=1.0)
+    for round_ in range(2):
+        p = prop.propose([seq], N, sampling)
+        x = p.tokens[0].tolist()
+        want = _training_time_q(t, d, seq + x, len(seq) - 2, N)  # [N, Vd]
+        torch.testing.assert_close(p.q[0][:, prop.target_ids], want, atol=1e-5, rtol=1e-4,
+                                   msg=f"round {round_}")
+        # the target verifies [pending, x_1..x_N]; keep pending + 2 accepted, correct the third
+        out = session.verify(torch.tensor([[seq[-1], *x]]))
+        keep = torch.tensor([[True, True, True, False, False]])
+        session.commit(keep)
+        seq = seq + x[:2] + [(x[2] + 2) % t.vocab_size]
+        prop.commit([seq], out.aux_hidden_states, keep)
+        assert prop.mask.shape[1] == session.mask.shape[1]  # the draft's KV was cropped like the target's
+    # greedy drafting (vLLM's default) proposes the argmax of the same distributions
+    greedy, seq = Eagle3Proposer(d), PROMPTS[2]
+    session = spec.TargetSession(t, [1, 2, 3])
+    _, pre = session.prefill([seq])
+    greedy.begin([seq], pre.aux_hidden_states, session.mask)
+    p = greedy.propose([seq], N, Sampling(temperature=1.0))
+    want = _training_time_q(t, d, seq + p.tokens[0].tolist(), len(seq) - 2, N)
+    assert p.q is None and p.tokens[0].tolist() == greedy.target_ids[want.argmax(-1)].tolist()
+
+
+def test_eagle3_proposer_is_lossless_and_reproducible():
+    t = tiny_target()
+    d = _tiny_eagle3(t)
+    ar, _ = generate(t, PROMPTS, 12)
+    out, _ = generate(t, PROMPTS, 12, Eagle3Proposer(d), num_draft_tokens=3)
+    assert out == ar
+    s = Sampling(temperature=0.9)
+    runs = [generate(t, PROMPTS, 12, Eagle3Proposer(d, draft_sampling=m, seed=5), num_draft_tokens=3, sampling=s,
+                     seed=5) for m in ("sample", "sample", "greedy")]
+    assert runs[0][0] == runs[1][0] and runs[0][1].accepted == runs[1][1].accepted  # seeded
+    assert all(len(o) == 12 for o in runs[2][0])
 
 
 @pytest.mark.slow

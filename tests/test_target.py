@@ -4,7 +4,6 @@ import torch
 from trainer.errors import TargetError
 from trainer.target import (
     Target,
-    default_eagle3_layer_ids,
     entering_to_output,
     load_target,
     output_to_entering,
@@ -46,8 +45,6 @@ def test_target_is_frozen_and_in_eval_mode(tiny_target):
 
 
 def test_layer_id_conventions():
-    assert default_eagle3_layer_ids(30) == [2, 15, 27]
-    assert default_eagle3_layer_ids(32) == [2, 16, 29]  # Llama-3.1-8B, as vLLM computes it
     assert output_to_entering(1) == 2 and entering_to_output(2) == 1
     with pytest.raises(ValueError):
         entering_to_output(0)
@@ -72,6 +69,6 @@ def test_dtype_choice(tiny_target_dir):
 @pytest.mark.slow
 def test_smollm2_embedded_target_loads_from_the_package(smollm2):
     assert (smollm2.num_layers, smollm2.hidden_size, smollm2.vocab_size) == (30, 576, 49152)
-    assert smollm2.default_aux_layer_ids() == [2, 15, 27]
+    assert smollm2.eos_token_ids == [2]  # <|im_end|>: the tokenizer's and the generation config's
     assert smollm2.dtype == torch.float32
     assert resolve_target("smollm2-135m-instruct").kind == "gguf"

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from export import checks, formats
+from export import checks
 from recipes import capture, prepare, train
 from recipes import export as export_recipe
 from tests.conftest import REPO
@@ -40,7 +40,7 @@ def pipeline(tmp_path_factory, smollm2):
     capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), draft_vocab_size=8192,
                               store_dtype="bfloat16"))
     train.run(load_config(TrainConfig, REPO / "recipes/configs/smollm2-135m/eagle3.yaml", [
-        f"data={d / 'capture'}", f"output_dir={d / 'eagle3'}", "ttt_steps=3", "max_steps=40", "epochs=10",
+        f"data={d / 'capture'}", f"output_dir={d / 'eagle3'}", "draft.ttt_steps=3", "max_steps=40", "epochs=10",
         "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5", "save_every=1000", "log_every=10"]))
     out = {}
     for name, extra in (("bf16", {}), ("speculators", {"format": "speculators"}),
@@ -67,7 +67,7 @@ def baseline(pipeline, smollm2):
 
 
 def test_trained_bf16_draft_in_vllm(pipeline, baseline, smollm2):
-    from trainer.drafts.eagle3 import Eagle3Proposer
+    from recipes._common import load_proposer
     from trainer.speculative import measure
 
     r = _vllm(pipeline, "bf16", pipeline["bf16"], target=smollm2.hf_dir)
@@ -75,8 +75,8 @@ def test_trained_bf16_draft_in_vllm(pipeline, baseline, smollm2):
     s = r["spec"]
     assert s["num_drafts"] > 100 and len(s["accepted_per_position"]) == N
     # c. the in-tree decoder on the same prompts, same export, same N
-    ours = measure(smollm2, Eagle3Proposer(formats.load_export(pipeline["bf16"], smollm2)), pipeline["prompts"],
-                   MAX_NEW, N, eos_token_ids=[smollm2.tokenizer.eos_token_id])
+    ours = measure(smollm2, load_proposer(str(pipeline["bf16"]), smollm2)[0], pipeline["prompts"],
+                   MAX_NEW, N, eos_token_ids=smollm2.eos_token_ids)
     print(f"τ vLLM {s['tau']:.4f} ({s['num_accepted_tokens']}/{s['num_drafts']}), in-tree {ours.tau:.4f} "
           f"({ours.accepted}/{ours.rounds}); per position vLLM {s['accepted_per_position']}, "
           f"in-tree {ours.accepted_at}")

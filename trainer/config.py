@@ -108,9 +108,28 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
     return obj  # type: ignore[return-value]
 
 
+def load_section(schema: type[T], data: Any, where: str) -> T:
+    """A config section whose schema is chosen at load time (a draft's config, picked by
+    `algorithm` through the registry): the same strict keys, types and `validate()`."""
+    if dataclasses.is_dataclass(data):
+        data = dataclasses.asdict(data)
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{where}' must be a mapping of keys, not {type(data).__name__}")
+    _check_keys(schema, data, "config", prefix=f"{where}.")
+    cfg = _merge(OmegaConf.structured(schema), data, where)
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{where}.{getattr(err, 'full_key', '?')}: {getattr(err, 'msg', err)}") from None
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        validate()
+    return obj  # type: ignore[return-value]
+
+
 def to_yaml(cfg: Any) -> str:
     """The resolved config as YAML (written beside every stage's output)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)))
 
 
 # ---------------------------------------------------------------------------
@@ -118,7 +137,7 @@ def to_yaml(cfg: Any) -> str:
 # ---------------------------------------------------------------------------
 from dataclasses import dataclass, field  # noqa: E402
 
-from trainer.target import DEFAULT_TARGET  # noqa: E402
+from trainer.target import DEFAULT_TARGET, check_layer_ids  # noqa: E402
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -166,7 +185,10 @@ class CaptureConfig:
     data: str = MISSING  # a `prepare` output directory
     output_dir: str = MISSING
     target: str = DEFAULT_TARGET
-    # vLLM convention: id i = residual entering layer i (HF hidden_states[i]); null -> (2, L//2, L-3).
+    # The algorithms this capture serves: with aux_layer_ids null it stores the sorted union of
+    # their default layer ids, and each draft selects its own subset by id at training.
+    drafts: list[str] = field(default_factory=lambda: ["eagle3"])
+    # Entering-layer convention (id i = HF hidden_states[i]), strictly increasing; null: the drafts' defaults.
     aux_layer_ids: list[int] | None = None
     target_dtype: str = "float32"  # the dtype the target runs in
     store_dtype: str = "bfloat16"  # the dtype hidden states are stored in
@@ -184,11 +206,14 @@ class CaptureConfig:
                 raise ConfigError(f"{key}={getattr(self, key)!r}; use one of {', '.join(_DTYPE_NAMES)}")
         if self.samples_per_shard < 1 or self.max_tokens_per_batch < 1 or self.draft_vocab_size < 1:
             raise ConfigError("samples_per_shard, max_tokens_per_batch and draft_vocab_size must be >= 1")
-        if self.aux_layer_ids is not None and len(self.aux_layer_ids) == 0:
-            raise ConfigError("aux_layer_ids is empty; list at least one layer id or null for the default")
+        from trainer.drafts import get
 
-
-from trainer.drafts.eagle3 import Eagle3Config  # noqa: E402
+        if not self.drafts:
+            raise ConfigError("drafts is empty; list the algorithms this capture is for, e.g. [eagle3]")
+        for name in self.drafts:
+            get(name)
+        if self.aux_layer_ids is not None:
+            check_layer_ids(self.aux_layer_ids, "aux_layer_ids")
 
 
 @dataclass
@@ -200,11 +225,10 @@ class TrainConfig:
     algorithm: str = "eagle3"  # a key of trainer.drafts.DRAFTS
     target: str = DEFAULT_TARGET
     online: bool = False  # hidden states from the target in the loop instead of a capture
-    aux_layer_ids: list[int] | None = None  # online only; offline takes the capture's
     draft_vocab_size: int = 32000  # online only (from the prepared data); offline takes the capture's
-    draft: Eagle3Config = field(default_factory=Eagle3Config)
-    ttt_steps: int = 7  # K unrolled training-time-test steps (EAGLE-3 reference: 7)
-    step_decay: float = 0.8  # loss weight decay^k for step k (EAGLE-3 reference: 0.8)
+    # The draft's shape and objective: the `Config` of the chosen algorithm's module
+    # (trainer/drafts/<algorithm>.py), checked against that schema at load time.
+    draft: dict[str, Any] = field(default_factory=dict)
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; caps epochs
     batch_size: int = 1  # samples per process per micro-batch
@@ -224,22 +248,17 @@ class TrainConfig:
     overwrite: bool = False
 
     def validate(self) -> None:
-        from trainer.drafts import DRAFTS
+        from trainer.drafts import get
 
-        if self.algorithm not in DRAFTS:
-            close = difflib.get_close_matches(self.algorithm, list(DRAFTS), n=1)
-            raise ConfigError(f"algorithm '{self.algorithm}' is not one of {', '.join(DRAFTS)}"
-                              + (f"; did you mean '{close[0]}'?" if close else ""))
+        self.draft = load_section(get(self.algorithm).Config, self.draft, "draft")
+        if self.draft.aux_layer_ids is not None:
+            check_layer_ids(self.draft.aux_layer_ids, "draft.aux_layer_ids")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise ConfigError(f"mixed_precision={self.mixed_precision!r}; use auto, no, bf16 or fp16")
-        for key in ("ttt_steps", "epochs", "batch_size", "gradient_accumulation_steps", "save_every", "keep_last",
+        for key in ("epochs", "batch_size", "gradient_accumulation_steps", "save_every", "keep_last",
                     "log_every", "max_length"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1")
-        if not 0 < self.step_decay <= 1:
-            raise ConfigError("step_decay must be in (0, 1]")
-        if self.aux_layer_ids is not None and not self.online:
-            raise ConfigError("aux_layer_ids is taken from the capture's manifest offline; set it only with online=true")
 
 
 @dataclass
@@ -255,6 +274,9 @@ class EvalConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
+    # How the draft picks its tokens under sampling: "greedy" (vLLM 0.32's default
+    # draft_sample_method: argmax proposals, one-hot q) or "sample" (x ~ q).
+    draft_sampling: str = "greedy"
     batch_size: int = 1
     output_dir: str = "runs/eval"
     seed: int = 0
@@ -265,6 +287,8 @@ class EvalConfig:
             raise ConfigError("num_draft_tokens, num_prompts, max_new_tokens and batch_size must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
+        if self.draft_sampling not in ("greedy", "sample"):
+            raise ConfigError(f"draft_sampling '{self.draft_sampling}' is not one of greedy, sample")
 
 
 @dataclass
@@ -274,7 +298,7 @@ class ExportConfig:
     draft: str = MISSING  # a recipes/train.py output_dir
     output_dir: str = MISSING
     target: str = DEFAULT_TARGET  # must be the target the draft was trained on
-    format: str = "vllm"  # vllm (LlamaForCausalLMEagle3) | speculators
+    format: str = "vllm"  # vllm (vLLM-native) | speculators (EAGLE-3 only); the exporter says which it writes
     dtype: str = "bfloat16"  # of the unquantized tensors: bfloat16 | float16 | float32
     quantize: str = "none"  # none | fp8
     fp8_scheme: str = "ptpc_fp8"  # per-channel FP8 weights + dynamic per-token FP8 activations
@@ -295,8 +319,6 @@ class ExportConfig:
             raise ConfigError(f"dtype '{self.dtype}' is not one of bfloat16, float16, float32")
         if self.quantize not in ("none", "fp8"):
             raise ConfigError(f"quantize '{self.quantize}' is not one of none, fp8")
-        if self.quantize == "fp8" and self.format != "vllm":
-            raise ConfigError("quantize=fp8 writes the vLLM-native layout; drop format=speculators")
         if self.num_draft_tokens < 1 or self.gate_prompts < 1 or self.gate_max_new_tokens < 1:
             raise ConfigError("num_draft_tokens, gate_prompts and gate_max_new_tokens must be >= 1")
         if not 0 <= self.max_tau_drop < 1:
@@ -310,7 +332,8 @@ class DemoConfig:
 
     output_dir: str = "runs/demo"
     target: str = DEFAULT_TARGET
-    overwrite: bool = False
+    algorithm: str = "eagle3"  # the draft trained, exported and evaluated (a key of trainer.drafts.DRAFTS)
+    overwrite: bool = False  # replace an earlier demo's output_dir
     prepare: PrepareConfig = field(default_factory=lambda: PrepareConfig(output_dir="(set by the demo)"))
     capture: CaptureConfig = field(
         default_factory=lambda: CaptureConfig(data="(set by the demo)", output_dir="(set by the demo)")
@@ -325,6 +348,9 @@ class DemoConfig:
     quantize_fc: bool = False
 
     def validate(self) -> None:
+        self.train.algorithm = self.algorithm
+        if self.algorithm not in self.capture.drafts:
+            self.capture.drafts = [*self.capture.drafts, self.algorithm]
         self.prepare.validate()
         self.capture.validate()
         self.train.validate()
@@ -332,4 +358,12 @@ class DemoConfig:
             raise ConfigError("num_draft_tokens, eval_prompts and gate_prompts must be >= 1")
 
 
-SCHEMAS = {"export": ExportConfig, "prepare": PrepareConfig, "eval": EvalConfig, "capture": CaptureConfig, "demo": DemoConfig, "eagle3": TrainConfig}
+def _schemas() -> dict[str, type]:
+    """YAML file stem -> schema (recipes/configs/*/<stem>.yaml); a draft's training config is named after it."""
+    from trainer.drafts import DRAFTS
+
+    return {"export": ExportConfig, "prepare": PrepareConfig, "eval": EvalConfig, "capture": CaptureConfig,
+            "demo": DemoConfig, **{name: TrainConfig for name in DRAFTS}}
+
+
+SCHEMAS = _schemas()

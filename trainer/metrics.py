@@ -5,6 +5,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+
+@dataclass
+class StepMetrics:
+    """What a draft's training step returns (the draft contract, trainer/drafts/__init__.py).
+    Per-position tensors are [K] over the draft positions the algorithm trains (EAGLE-3: TTT
+    steps; block drafts: block slots), kept on the device."""
+
+    loss: torch.Tensor  # the objective, scalar
+    position_loss: torch.Tensor  # [K] loss per position (detached)
+    correct: torch.Tensor  # [K] positions where the draft's argmax is what greedy verification accepts
+    count: torch.Tensor  # [K] positions counted
+
+
+def simulated_tau(acc: list[float]) -> float:
+    """τ = 1 + Σ_k Π_{j<=k} acc_j from conditional per-position accuracies: the expected
+    accepted length with the bonus token, as vLLM counts it."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    return tau
+
 
 def expected_accepted_length(cumulative: list[float], n: int) -> float:
     """E[tokens per round] with n draft tokens = 1 + Σ_{k<=n} P(positions 1..k accepted)

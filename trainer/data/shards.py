@@ -6,7 +6,8 @@ One shard holds the samples [k*S, (k+1)*S) of the prepared data, packed end to e
     loss_mask          uint8  [N]
     cu_seqlens         int64  [n + 1]     sample s is tokens cu_seqlens[s]:cu_seqlens[s+1]
     sample_index       int64  [n]         row in the prepared dataset
-    aux_hidden_states  dtype  [N, L*H]    aux layer ids in the manifest's convention, concatenated in order
+    aux_hidden_states  dtype  [N, L*H]    the manifest's aux_layer_ids (strictly increasing, entering-layer
+                                          convention), concatenated in that order
     last_hidden_state  dtype  [N, H]      last decoder layer's output before the final norm
 
 A shard is complete when `<shard>.json` (its sha256 and counts) exists beside it;
@@ -23,11 +24,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from trainer.errors import DataError
+from trainer.errors import DataError, DraftsmithError
 from trainer.io import atomic_save_safetensors, atomic_write_json
-from trainer.target import sha256_file
+from trainer.target import LAYER_ID_CONVENTION, check_layer_ids, sha256_file
 
-FORMAT = "draftsmith-capture-v1"
+FORMAT = "draftsmith-capture-v2"  # v2: draft_layer_ids, one layer-id convention
 MANIFEST = "manifest.json"
 DRAFT_VOCAB = "draft_vocab.safetensors"
 
@@ -88,8 +89,27 @@ def load_manifest(path: str | Path) -> CaptureInfo:
         raise DataError(f"'{path}' is not a finished capture (no {MANIFEST}); run or resume `draftsmith capture`")
     manifest = json.loads(f.read_text())
     if manifest.get("format") != FORMAT:
-        raise DataError(f"{f}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise DataError(f"{f}: format {manifest.get('format')!r}, expected {FORMAT!r}; capture again with this version")
+    if manifest.get("layer_id_convention") != LAYER_ID_CONVENTION:
+        raise DataError(f"{f}: layer_id_convention {manifest.get('layer_id_convention')!r} is not "
+                        f"{LAYER_ID_CONVENTION!r}; capture again with this version")
+    try:
+        check_layer_ids(manifest.get("aux_layer_ids") or [], f"{f}: aux_layer_ids")
+    except DraftsmithError as err:
+        raise DataError(str(err)) from None
     return CaptureInfo(path, manifest)
+
+
+def layer_columns(stored: list[int], wanted: list[int], hidden_size: int) -> torch.Tensor | None:
+    """Column indices of `wanted` layers inside aux_hidden_states [.., len(stored)*H] (None: all, in order)."""
+    missing = [i for i in wanted if i not in stored]
+    if missing:
+        raise DataError(f"layer ids {missing} are not in the capture (it holds {stored}); capture them or "
+                        "choose a subset of the captured ids")
+    if list(wanted) == list(stored):
+        return None
+    return torch.cat([torch.arange(stored.index(i) * hidden_size, (stored.index(i) + 1) * hidden_size)
+                      for i in wanted])
 
 
 def verify_capture(path: str | Path) -> CaptureInfo:
@@ -107,8 +127,12 @@ def verify_capture(path: str | Path) -> CaptureInfo:
 class CaptureReader:
     """Random access to captured samples: `reader[i]` -> dict of per-sample tensors."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, layer_ids: list[int] | None = None):
+        """layer_ids: the subset of the captured aux layers to return (default: all, in order)."""
         self.info = load_manifest(path)
+        m = self.info.manifest
+        self._columns = layer_columns(m["aux_layer_ids"], layer_ids, m["target"]["hidden_size"]) \
+            if layer_ids is not None else None
         self._index: list[tuple[int, int]] = []  # global sample -> (shard, row)
         self._cu: list[torch.Tensor] = []
         for k, entry in enumerate(self.info.manifest["shards"]):
@@ -127,4 +151,6 @@ class CaptureReader:
         with safe_open(self.info.path / self.info.manifest["shards"][k]["file"], "pt") as f:
             for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
                 out[name] = f.get_slice(name)[a:b]
+        if self._columns is not None:
+            out["aux_hidden_states"] = out["aux_hidden_states"][:, self._columns]  # [T, L'*H]
         return out

@@ -1,6 +1,26 @@
-"""One module per draft algorithm: its config, the served nn.Module and its training step.
+"""Draft algorithms. The registry is one dict, `DRAFTS[name]` -> the module implementing
+it, and every caller (training, evaluation, export, the demo) goes through it.
 
-The registry is one dict: `DRAFTS[name]` -> the module implementing it.
+The draft contract: each module under trainer/drafts/ provides
+
+    Config                      dataclass: the draft's shape and its objective. Null shape
+                                fields come from the target (`fill_from_target(target_config,
+                                aux_layer_ids, draft_vocab_size)`); `validate()`; `num_positions`
+                                (K, the draft positions trained and measured per sample position).
+    default_layer_ids(L)        aux layer ids for a target of L layers, strictly increasing, in
+                                the one convention draftsmith stores (trainer.target.LAYER_ID_CONVENTION)
+    Draft(cfg, embed_tokens)    the served nn.Module (the target's embedding is shared, frozen,
+                                outside its state dict); `set_vocab(d2t, t2d)`, `draft_to_target()`
+    target_labels(target, batch, draft) -> dict
+                                the labels from the captured states, no grad
+    training_step(draft, batch, labels) -> trainer.metrics.StepMetrics
+                                loss and per-position correct/count
+    Proposer(draft, draft_sampling, seed)
+                                the in-tree decoder's draft (trainer.speculative.Draft protocol);
+                                `max_draft_tokens` is the largest N it supports (None: any)
+
+Serialization is not a draft's business: export/ holds one exporter per algorithm under
+the same registry name (file layouts, config.json, what stays BF16 under Quark, the probe).
 """
 
 from __future__ import annotations
@@ -8,15 +28,48 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from torch import nn
+
 from trainer.drafts import eagle3
-from trainer.errors import DraftsmithError
+from trainer.errors import ConfigError, DraftsmithError
 
 DRAFTS = {"eagle3": eagle3}
 
 
+def get(algorithm: str):
+    """The module for `algorithm`, or one line naming the known ones."""
+    try:
+        return DRAFTS[algorithm]
+    except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(str(algorithm), list(DRAFTS), n=1)
+        raise ConfigError(f"algorithm '{algorithm}' is not one of {', '.join(DRAFTS)}"
+                          + (f"; did you mean '{close[0]}'?" if close else "")) from None
+
+
+def build(algorithm: str, draft_config: dict, target):
+    """A draft module from its saved config dict, sharing the target's embedding."""
+    algo = get(algorithm)
+    return algo.Draft(algo.Config(**draft_config), target.backbone.embed_tokens)
+
+
+class TrainStep(nn.Module):
+    """The unit DDP/DeepSpeed wrap: its forward is one training step of the draft."""
+
+    def __init__(self, algorithm: str, draft: nn.Module):
+        super().__init__()
+        self.draft = draft
+        self._step = get(algorithm).training_step
+
+    def forward(self, batch: dict, labels: dict):
+        return self._step(self.draft, batch, labels)
+
+
 def load_draft(path: str | Path, target):
-    """A trained draft folder (recipes/train.py output) -> its module, on the target's device,
-    sharing the target's embedding. The folder must have been trained for this target."""
+    """A trained draft folder (recipes/train.py output) -> (algorithm, its module) on the
+    target's device, sharing the target's embedding. The folder must have been trained
+    for this target."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -28,7 +81,6 @@ def load_draft(path: str | Path, target):
     if cfg["target"]["sha256"] != target.content_hash:
         raise DraftsmithError(f"draft '{path}' was trained for {cfg['target']['name']} "
                               f"({cfg['target']['sha256'][:12]}), not {target.name} ({target.content_hash[:12]})")
-    module = DRAFTS[cfg["algorithm"]]
-    draft = module.Eagle3Draft(module.Eagle3Config(**cfg["draft"]), target.backbone.embed_tokens)
+    draft = build(cfg["algorithm"], cfg["draft"], target)
     draft.load_state_dict(load_file(path / "model.safetensors"), strict=True)
-    return draft.to(target.device, target.dtype)
+    return cfg["algorithm"], draft.to(target.device, target.dtype)

@@ -15,24 +15,41 @@ Module layout (names are vLLM's, so export is a one-to-one key map):
     norm, lm_head                                       RMSNorm(H), Linear(H -> Vd)
     d2t [Vd] int64, t2d [V] bool                        buffers: target_id = draft_id + d2t[draft_id]
 The token embedding is the target's, frozen, not trained and not exported.
+
+This module implements the draft contract of trainer/drafts/__init__.py: `Config`,
+`default_layer_ids`, `Draft`, `target_labels`, `training_step`, `Proposer`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
 from trainer import losses
+from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
 from trainer.errors import ConfigError
+from trainer.metrics import StepMetrics
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """Aux layer ids (entering-layer convention) for a target of `num_layers` layers: vLLM's
+    EAGLE-3 default (2, L//2, L-3) (vllm/model_executor/models/llama.py
+    `get_eagle3_default_aux_hidden_state_layers`) where it is strictly increasing (L >= 7);
+    for smaller targets three ids spread over 1..L-1, the closest valid choice."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if all(a < b for a, b in zip(ids, ids[1:])) and ids[0] >= 0:
+        return ids
+    hi = max(num_layers - 1, 1)
+    return sorted({round(1 + i * (hi - 1) / 2) for i in range(3)})
 
 
 @dataclass
 class Eagle3Config:
-    """The draft layer's shape. Null fields are filled from the target (`fill_from_target`)."""
+    """The draft layer's shape and its training objective. Null shape fields are filled
+    from the target (`fill_from_target`); null aux_layer_ids from the capture."""
 
     hidden_size: int | None = None  # H; must equal the target's (the draft shares its embedding)
     intermediate_size: int | None = None  # I
@@ -45,10 +62,26 @@ class Eagle3Config:
     target_hidden_size: int | None = None  # Ht
     vocab_size: int | None = None  # V, the target's
     draft_vocab_size: int = 32000  # Vd
-    aux_layer_ids: list[int] = field(default_factory=list)  # vLLM convention (entering layer i)
+    aux_layer_ids: list[int] | None = None  # entering-layer convention; null: the capture's choice for eagle3
     # vLLM's LlamaForCausalLMEagle3 option: apply hidden_norm before taking the residual.
     # False = the EAGLE-3 reference (residual is the un-normed fused feature).
     norm_before_residual: bool = False
+    # Objective: the training-time test (EAGLE-3 paper §3.2; reference ttt length 7, decay 0.8).
+    ttt_steps: int = 7  # K unrolled steps
+    step_decay: float = 0.8  # loss weight decay^k for step k
+
+    def validate(self) -> None:
+        if self.ttt_steps < 1:
+            raise ConfigError("draft.ttt_steps must be >= 1")
+        if not 0 < self.step_decay <= 1:
+            raise ConfigError("draft.step_decay must be in (0, 1]")
+        if self.draft_vocab_size < 1:
+            raise ConfigError("draft.draft_vocab_size must be >= 1")
+
+    @property
+    def num_positions(self) -> int:
+        """Draft positions trained and measured per sample position (the TTT steps)."""
+        return self.ttt_steps
 
     def fill_from_target(self, target_config, aux_layer_ids, draft_vocab_size: int | None = None) -> Eagle3Config:
         t = target_config
@@ -62,59 +95,11 @@ class Eagle3Config:
                             ("target_hidden_size", t.hidden_size), ("vocab_size", t.vocab_size)):
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        if not self.aux_layer_ids:
+        if self.aux_layer_ids is None:
             self.aux_layer_ids = list(aux_layer_ids)
         if draft_vocab_size is not None:
             self.draft_vocab_size = draft_vocab_size
         return self
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm as Llama computes it (in fp32, then cast back): Zhang & Sennrich 2019."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class Rotary(nn.Module):
-    """RoPE (Su et al., 2021) with the target's rope parameters, via transformers' init
-    functions so that llama3/yarn scaling match what vLLM builds from the same config."""
-
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        from transformers import LlamaConfig
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-                         rope_parameters=dict(cfg.rope_parameters))
-        rope_type = hf.rope_parameters.get("rope_type", "default")
-        if rope_type == "default":
-            base = hf.rope_parameters["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-            scale = 1.0
-        else:
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.scale = scale
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, hd]
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 
 class Attention(nn.Module):
@@ -139,12 +124,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache.append((k, v))
         if len(cache) == 1:  # step 0: plain causal attention (right padding never reaches a real query)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nh != self.nkv)
+            out = attend(q, k, v, causal=True)
         else:
             out = ttt_attention(q, cache, self.nh // self.nkv)  # [B, nh, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
@@ -156,12 +139,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys = k if past is None else torch.cat([past[0], k], 2)
         values = v if past is None else torch.cat([past[1], v], 2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=self.nh != self.nkv)
+        out = attend(q, keys, values, allowed)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), (k, v)
 
 
@@ -189,17 +170,6 @@ def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]
     return out.reshape(B, nh, T, hd)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU (Shazeer 2020)
-
-
 class MidLayer(nn.Module):
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
@@ -207,7 +177,7 @@ class MidLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.norm_before_residual = cfg.norm_before_residual
 
     def _inputs(self, embeds, hidden):
@@ -249,7 +219,8 @@ class Eagle3Draft(nn.Module):
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self.rotary = Rotary(cfg)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings, cfg.hidden_size,
+                             cfg.num_attention_heads)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         self.gradient_checkpointing = False  # recompute the MLP and the LM head in backward
@@ -287,13 +258,26 @@ class Eagle3Proposer:
     output predicts token t+2. A round chains N steps from the last committed
     position, feeding the draft's own pre-norm state back, on temporary KV entries;
     after verification the target's aux states of the kept positions are committed.
-    Rows keep holes for rejected slots, like the target's cache (see speculative.py).
+    Rows keep holes for rejected slots, like the target's cache (see speculative.py),
+    and the trailing holes common to all rows are cropped.
+
+    draft_sampling: "greedy" (vLLM 0.32's default `draft_sample_method`: the argmax is
+    proposed and rejection sampling sees a one-hot q) or "sample" (x ~ q, with the
+    draft's processed distribution as q), seeded by `seed`.
     """
 
-    def __init__(self, draft: Eagle3Draft):
+    max_draft_tokens: int | None = None  # chained: any N
+
+    def __init__(self, draft: Eagle3Draft, draft_sampling: str = "greedy", seed: int = 0):
+        from trainer.speculative import DRAFT_SAMPLING
+
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise ConfigError(f"draft_sampling '{draft_sampling}' is not one of {', '.join(DRAFT_SAMPLING)}")
         self.d = draft.eval()
         self.aux_layer_ids = list(draft.config.aux_layer_ids)
         self.target_ids = draft.draft_to_target()
+        self.draft_sampling = draft_sampling
+        self.generator = torch.Generator(device=self.target_ids.device).manual_seed(seed)
 
     @torch.no_grad()
     def _extend(self, tokens, aux, new_mask):
@@ -316,6 +300,11 @@ class Eagle3Proposer:
         last = new_mask.long().cumsum(-1).argmax(-1)  # [B] last committed slot of each row
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         self.last_hidden, self.last_pos = out[rows, last], pos[rows, last]  # [B, H], [B]
+        # rejected slots at the end of every row: drop them from the draft's KV (as the target's cache)
+        trailing = int((~new_mask.bool()).long().flip(-1).cumprod(-1).sum(-1).min())
+        if trailing:
+            self.past = (self.past[0][:, :, :-trailing], self.past[1][:, :, :-trailing])
+            self.mask = self.mask[:, :-trailing]
 
     def begin(self, sequences, aux, mask):
         self.past, self.mask = None, None
@@ -342,14 +331,18 @@ class Eagle3Proposer:
         hidden, pos = self.last_hidden[:, None], self.last_pos[:, None]  # [B, 1, H], [B, 1]
         past, mask = self.past, self.mask
         tokens, qs = [], []
+        sample = self.draft_sampling == "sample" and not sampling.greedy
         for j in range(n):
             logits = d.lm_head(d.norm(hidden))[:, 0]  # [B, Vd]
-            full = logits.new_full((B, V), float("-inf"))
-            full[:, self.target_ids] = logits  # draft vocab -> target vocab, as vLLM's compute_logits
-            q = processed_probs(full, sampling)  # [B, V]
-            x = q.argmax(-1) if sampling.greedy else torch.multinomial(q, 1)[:, 0]
+            if sample:
+                full = logits.new_full((B, V), float("-inf"))
+                full[:, self.target_ids] = logits  # draft vocab -> target vocab, as vLLM's compute_logits
+                q = processed_probs(full, sampling)  # [B, V]
+                x = torch.multinomial(q, 1, generator=self.generator)[:, 0]
+                qs.append(q)
+            else:  # vLLM's greedy draft: argmax over the draft vocabulary, one-hot q
+                x = self.target_ids[logits.argmax(-1)]
             tokens.append(x)
-            qs.append(q)
             if j == n - 1:
                 break
             # chain step: (x, own hidden) at the next position, attending committed + chain entries
@@ -359,15 +352,12 @@ class Eagle3Proposer:
             hidden, kv = d.midlayer.infer(d.embed_tokens(x[:, None]).to(hidden.dtype), hidden, cos, sin, past,
                                           mask[:, None, None, :])
             past = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
-        return Proposal(torch.stack(tokens, 1), torch.stack(qs, 1))
+        return Proposal(torch.stack(tokens, 1), torch.stack(qs, 1) if sample else None)
 
 
-@dataclass
-class StepMetrics:
-    loss: torch.Tensor  # weighted sum over TTT steps (the training objective)
-    step_loss: list[torch.Tensor]
-    step_correct: list[torch.Tensor]  # correct predictions (draft argmax == target argmax), per step
-    step_count: list[torch.Tensor]  # positions counted per step
+Draft = Eagle3Draft
+Config = Eagle3Config
+Proposer = Eagle3Proposer
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -378,86 +368,58 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def training_step(draft: Eagle3Draft, batch: dict, target_p: torch.Tensor, ttt_steps: int,
-                  step_decay: float) -> StepMetrics:
+def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
     """The EAGLE-3 training-time test over K = `ttt_steps` unrolled steps.
 
     batch: input_ids [B, T], loss_mask [B, T], attention_mask [B, T], aux_hidden_states [B, T, L*Ht].
-    target_p: the target's next-token distribution at each position, restricted to the
-    draft vocabulary and renormalized [B, T, Vd] (see `target_probs`).
+    labels (`target_labels`): p = the target's next-token distribution at each position,
+    restricted to the draft vocabulary and renormalized [B, T, Vd]; in_vocab [B, T].
 
     Target state h_i has seen tokens <= i. At step k the draft at position i reads token
     i+1+k and its own state from step k-1, and predicts token i+2+k, whose target
     distribution is the target's at position i+1+k. Positions (RoPE) are i+k.
     """
+    cfg = draft.config
     ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
-    in_vocab = batch.get("target_top_in_vocab")  # [B, T] bool, optional (see `target_labels`)
+    p, in_vocab = labels["p"], labels["in_vocab"]
     B, T = ids.shape
-    p = target_p
     hidden = draft.fc(batch["aux_hidden_states"].to(draft.fc.weight.dtype))  # [B, T, H]
     base_pos = torch.arange(T, device=ids.device).expand(B, T)
     cache: list = []
-    metrics = StepMetrics(loss=hidden.new_zeros((), dtype=torch.float32), step_loss=[], step_correct=[], step_count=[])
-    for k in range(ttt_steps):
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    step_loss, correct, count = [], [], []
+    for k in range(cfg.ttt_steps):
         tokens = shift_left(ids, 1 + k)  # [B, T] token i+1+k
         target_p = shift_left(p, 1 + k)  # [B, T, Vd] target's distribution for token i+2+k
         valid = shift_left(loss_mask, 2 + k).bool() & attn.bool()  # [B, T] token i+2+k is an assistant token
         hidden, logits = draft.step(tokens, hidden, base_pos + k, cache)
         loss_k = losses.soft_cross_entropy(logits, target_p, valid)
-        metrics.loss = metrics.loss + (step_decay ** k) * loss_k
-        metrics.step_loss.append(loss_k.detach())
+        loss = loss + (cfg.step_decay ** k) * loss_k
+        step_loss.append(loss_k.detach())
         with torch.no_grad():
-            correct = (logits.argmax(-1) == target_p.argmax(-1)) & valid
-            if in_vocab is not None:  # the target's top token outside the draft vocab: a sure reject
-                correct &= shift_left(in_vocab, 1 + k)
-        metrics.step_correct.append(correct.sum())
-        metrics.step_count.append(valid.sum())
-    return metrics
+            # the target's top token outside the draft vocab is a sure reject under greedy verification
+            hit = (logits.argmax(-1) == target_p.argmax(-1)) & valid & shift_left(in_vocab, 1 + k)
+        correct.append(hit.sum())
+        count.append(valid.sum())
+    return StepMetrics(loss=loss, position_loss=torch.stack(step_loss), correct=torch.stack(correct),
+                       count=torch.stack(count))
 
 
 @torch.no_grad()
-def target_probs(target, last_hidden_state: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
-    """softmax over the draft vocabulary of the target's logits, recomputed from the captured
-    pre-norm state: lm_head rows of the draft's target ids applied to norm(h), the same
-    numbers as slicing the full logits without the [.., V] matmul. [B, T, Ht] -> [B, T, Vd]."""
-    h = target.backbone.norm(last_hidden_state.to(target.dtype))
-    return F.linear(h, target.model.lm_head.weight[draft_ids]).float().softmax(-1)
-
-
-@torch.no_grad()
-def target_labels(target, last_hidden_state: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
-                  chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass over the captured states for training: the full target logits per chunk of
-    T give both `target_probs` (their draft-vocab columns, softmaxed) and [B, T] bool "the
-    target's greedy token over its full vocabulary is in the draft vocabulary". Where it
-    is not, no draft token can be accepted under greedy verification, so accuracy counts a
-    miss even when the draft matches the restricted argmax. [B, T, Ht] -> [B, T, Vd], [B, T]."""
+def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024) -> dict:
+    """The training labels from the captured pre-norm last state (no grad), in one pass
+    per chunk of T: the full target logits give p = their draft-vocab columns, softmaxed
+    [B, T, Vd], and in_vocab [B, T] = "the target's greedy token over its full vocabulary
+    is in the draft vocabulary". Where it is not, no draft token can be accepted under
+    greedy verification, so accuracy counts a miss even when the draft matches the
+    restricted argmax."""
+    draft_ids, t2d = draft.draft_to_target(), draft.t2d
     probs, in_vocab = [], []
-    for h in last_hidden_state.split(chunk, dim=1):
+    for h in batch["last_hidden_state"].split(chunk, dim=1):
         logits = target.model.lm_head(target.backbone.norm(h.to(target.dtype)))  # [B, t, V]
         probs.append(logits[..., draft_ids].float().softmax(-1))
         in_vocab.append(t2d[logits.argmax(-1)])
-    return torch.cat(probs, dim=1), torch.cat(in_vocab, dim=1)
+    return {"p": torch.cat(probs, dim=1), "in_vocab": torch.cat(in_vocab, dim=1)}
 
 
-class TTTModule(nn.Module):
-    """The unit DDP/DeepSpeed wrap: its forward is one training step of the draft."""
-
-    def __init__(self, draft: Eagle3Draft, ttt_steps: int, step_decay: float):
-        super().__init__()
-        self.draft, self.ttt_steps, self.step_decay = draft, ttt_steps, step_decay
-
-    def forward(self, batch: dict, target_p: torch.Tensor) -> StepMetrics:
-        return training_step(self.draft, batch, target_p, self.ttt_steps, self.step_decay)
-
-
-def simulated_tau(acc: list[float]) -> float:
-    """τ = 1 + Σ_k Π_{j<=k} acc_j: expected accepted length with the bonus token, as vLLM counts it."""
-    tau, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        tau += run
-    return tau
-
-
-__all__ = ["Eagle3Config", "Eagle3Draft", "TTTModule", "training_step", "target_probs", "target_labels", "simulated_tau", "ttt_attention"]
+__all__ = ["Config", "Draft", "Proposer", "default_layer_ids", "training_step", "target_labels", "ttt_attention"]

@@ -1,0 +1,131 @@
+"""The EAGLE-3 exporter: file layouts, config.json, what stays BF16 under Quark, the probe.
+
+Two layouts, both read by vLLM 0.32 (vllm/model_executor/models/llama_eagle3.py,
+vllm/transformers_utils/configs/speculators/):
+
+    "vllm"         config.json: architectures ["LlamaForCausalLMEagle3"], a one-layer Llama
+                   config of the draft layer + target_hidden_size, draft_vocab_size,
+                   eagle_aux_hidden_state_layer_ids (top level, "entering layer i" ids),
+                   norm_before_residual (written: the native loader defaults it to False).
+                   Weights keep our names: fc, midlayer.*, norm, lm_head, d2t, t2d.
+    "speculators"  config.json: speculators_model_type "eagle3", transformer_layer_config,
+                   speculators_config {algorithm, proposal_methods, default_proposal_method,
+                   verifier}; norm_before_residual written (this loader defaults it to True).
+                   Weights: midlayer.* -> layers.0.*; `vllm serve DIR` alone works.
+
+The target's embedding is never exported: the draft shares it (vLLM then uses the target's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.errors import DraftsmithError
+
+METHOD = "eagle3"  # vLLM's speculative-config method
+FORMATS = ("vllm", "speculators")
+FP8_FORMATS = ("vllm",)  # Quark's file-to-file flow writes the vLLM-native names
+
+# The draft's tensors, in our (training) names. Every one is exported, nothing else is.
+TENSORS = (
+    "fc.weight",
+    "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "norm.weight", "lm_head.weight", "d2t", "t2d",
+)
+# Layers an FP8 export keeps in BF16, by their names in the vLLM-native file (which are
+# Quark's module names), with the vLLM runtime name each runs under: vLLM builds the draft
+# at `model.` (fc -> model.fc) and leaves lm_head at the top (llama_eagle3.py). vLLM never
+# quantizes lm_head under quark; fc stays BF16 unless asked (AMD's shipped drafts keep it).
+KEEP_BF16 = {"lm_head": "lm_head"}
+KEEP_BF16_UNLESS_ASKED = {"fc": "model.fc"}
+
+
+def key_map(fmt: str) -> dict[str, str]:
+    """Our name -> the name in `fmt`'s safetensors. One to one, every tensor."""
+    if fmt == "vllm":
+        return {k: k for k in TENSORS}
+    if fmt == "speculators":
+        return {k: k.replace("midlayer.", "layers.0.", 1) for k in TENSORS}
+    raise DraftsmithError(f"unknown EAGLE-3 export format '{fmt}'; use one of {', '.join(FORMATS)}")
+
+
+def keep_bf16(quantize_fc: bool) -> dict[str, str]:
+    """{file/Quark name: vLLM runtime name} of the layers that stay BF16 in an FP8 export."""
+    return {**KEEP_BF16, **({} if quantize_fc else KEEP_BF16_UNLESS_ASKED)}
+
+
+def llama_layer_config(d: dict, target, dtype: str) -> dict:
+    """The one-layer Llama config of the draft layer, as vLLM builds it (LlamaDecoderLayer fields)."""
+    tcfg = target.model.config.get_text_config()
+    rope = dict(d["rope_parameters"] or {"rope_type": "default", "rope_theta": 10000.0})
+    return {
+        "model_type": "llama",
+        "hidden_size": d["hidden_size"], "intermediate_size": d["intermediate_size"],
+        "num_attention_heads": d["num_attention_heads"], "num_key_value_heads": d["num_key_value_heads"],
+        "head_dim": d["head_dim"], "hidden_act": "silu", "rms_norm_eps": d["rms_norm_eps"],
+        "max_position_embeddings": d["max_position_embeddings"],
+        "rope_parameters": rope, "rope_theta": rope.get("rope_theta", 10000.0),
+        "attention_bias": False, "mlp_bias": False, "num_hidden_layers": 1,
+        "vocab_size": d["vocab_size"], "tie_word_embeddings": False,
+        "bos_token_id": tcfg.bos_token_id, "eos_token_id": tcfg.eos_token_id,
+        "pad_token_id": getattr(tcfg, "pad_token_id", None), "torch_dtype": dtype, "dtype": dtype,
+    }
+
+
+def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int) -> dict:
+    """config.json for the draft config `d` (a trained draft's "draft" section)."""
+    layer = llama_layer_config(d, target, dtype)
+    eagle = {"draft_vocab_size": d["draft_vocab_size"], "target_hidden_size": d["target_hidden_size"],
+             # vLLM's convention ("entering layer i" = HF hidden_states[i]), the same as ours.
+             "eagle_aux_hidden_state_layer_ids": list(d["aux_layer_ids"]),
+             "num_aux_hidden_states": len(d["aux_layer_ids"]),  # sizes vLLM's fc input (llama_eagle3.py)
+             "norm_before_residual": bool(d["norm_before_residual"])}
+    if fmt == "vllm":
+        return {"architectures": ["LlamaForCausalLMEagle3"], **layer, **eagle}
+    target_arch = list(getattr(target.model.config, "architectures", None) or ["LlamaForCausalLM"])
+    return {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "transformer_layer_config": {"architectures": ["LlamaForCausalLM"], **layer},
+        **eagle, "norm_before_fc": False, "torch_dtype": dtype,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_draft_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": target.name, "architectures": target_arch},
+        },
+    }
+
+
+def probe_tensors(w: dict, token: int) -> dict:
+    """The constant-proposal probe (export/checks.py) on vLLM-native tensors: final norm
+    weight 0 makes every logit 0, so argmax takes draft id 0, and a contiguous vocabulary
+    X..X+Vd-1 with d2t[i] = X maps it to target token X."""
+    Vd, V = w["d2t"].numel(), w["t2d"].numel()
+    if not 0 <= token <= V - Vd:
+        raise DraftsmithError(f"probe token {token} must be <= V - Vd = {V - Vd} (vocabulary X..X+Vd-1)")
+    w = dict(w)
+    w["norm.weight"] = torch.zeros_like(w["norm.weight"])  # logits == 0 everywhere
+    w["d2t"] = torch.full_like(w["d2t"], token)  # draft id i -> target id token + i
+    t2d = torch.zeros_like(w["t2d"])
+    t2d[token:token + Vd] = True
+    w["t2d"] = t2d
+    return w
+
+
+def describe(manifest: dict) -> list[str]:
+    """Model-card lines that say what this draft is."""
+    d = manifest["draft"]
+    layout = "vLLM-native `LlamaForCausalLMEagle3`" if manifest["format"] == "vllm" else "speculators"
+    return [f"- one Llama decoder layer (hidden {d['hidden_size']}, {d['num_attention_heads']} heads / "
+            f"{d['num_key_value_heads']} KV heads, MLP {d['intermediate_size']}), `fc` fusing the target's hidden "
+            f"states entering layers {d['aux_layer_ids']} (vLLM's `eagle_aux_hidden_state_layer_ids`)",
+            f"- draft vocabulary {d['draft_vocab_size']:,} of the target's {d['vocab_size']:,} tokens (`d2t`); "
+            "the token embedding is the target's (not included)",
+            f"- layout: {layout}"]
+
+
+TITLE = "EAGLE-3 draft model"
