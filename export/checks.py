@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 from trainer.errors import DraftsmithError
+from trainer.io import atomic_write_json
 
 RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_generate.py"
 
@@ -42,8 +43,11 @@ def run_vllm(target_dir: str, prompts: list[list[int]], out: Path, draft: str | 
     prompts_file.write_text(json.dumps(prompts))
     cmd = [python, str(RUNNER), "--target", target_dir, "--prompts", str(prompts_file), "--out", str(out),
            "--max-new-tokens", str(max_new_tokens), "--dtype", dtype, "--logprobs", str(logprobs)]
-    if draft:
-        cmd += ["--draft", str(draft), "--num-speculative-tokens", str(num_speculative_tokens)]
+    if draft:  # vLLM's speculative method is the export's (its manifest says which)
+        from export import formats
+
+        method = json.loads((Path(draft) / formats.EXPORT_MANIFEST).read_text())["method"]
+        cmd += ["--draft", str(draft), "--num-speculative-tokens", str(num_speculative_tokens), "--method", method]
     env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root or out.parent / "vllm-cache"),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in-process: the runner inspects the draft
            "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
@@ -59,7 +63,7 @@ def run_vllm(target_dir: str, prompts: list[list[int]], out: Path, draft: str | 
 
 def make_probe(src_export: Path, out: Path, token: int) -> None:
     """A copy of a BF16 vLLM-native export that always proposes `token` (the algorithm's
-    exporter says how: `probe_tensors`)."""
+    exporter says how: `probe`)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -69,11 +73,45 @@ def make_probe(src_export: Path, out: Path, token: int) -> None:
     manifest = json.loads((src_export / formats.EXPORT_MANIFEST).read_text())
     if manifest["format"] != "vllm" or manifest.get("quantization"):
         raise DraftsmithError("the probe is built from a BF16 vLLM-native export")
-    w = formats.exporter(manifest["algorithm"]).probe_tensors(load_file(src_export / formats.WEIGHTS), token)
+    config = json.loads((src_export / "config.json").read_text())
+    config, w, d = formats.exporter(manifest["algorithm"]).probe(config, load_file(src_export / formats.WEIGHTS),
+                                                                 manifest["draft"], token)
     shutil.copytree(src_export, out)
     save_file(w, str(out / formats.WEIGHTS), metadata={"format": "pt"})
+    atomic_write_json(out / "config.json", config)
     body = {k: v for k, v in manifest.items() if k != "files"}
-    formats.write_manifest(out, {**body, "probe_token": token})
+    formats.write_manifest(out, {**body, "draft": d, "probe_token": token})
+
+
+def vllm_parameter_names(name: str, num_target_layers: int) -> str | None:
+    """Our export's tensor name -> the draft parameter vLLM loads it into (its runtime
+    name): `model.` prefix, draft layer i at model.layers.{L_target + i}, q/k/v fused into
+    qkv_proj and gate/up into gate_up_proj, d2t -> draft_id_to_target_id; None for t2d
+    (vLLM skips it). Follows vLLM 0.32's qwen3_dflash.py load_weights and its stacked mapper."""
+    import re
+
+    if name == "t2d":
+        return None
+    if name == "d2t":
+        return "draft_id_to_target_id"
+    if name.startswith("lm_head."):
+        return name
+    name = re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + num_target_layers}.", name)
+    name = re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", name)
+    name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
+    return "model." + name
+
+
+def missing_in_vllm(export_tensors: list[str], loaded: list[dict], num_target_layers: int) -> list[str]:
+    """vLLM draft parameters that no tensor of the export fills. vLLM's DFlash loader does not
+    report them: a missing norm silently stays at ones. Shared parameters (the target's
+    embedding and, without a head of its own, LM head) and FP8 scales are not expected."""
+    filled = {vllm_parameter_names(n, num_target_layers) for n in export_tensors}
+    shared = ("model.embed_tokens.", "model.mask_embedding")
+    own_head = any(n.startswith("lm_head.") for n in export_tensors)
+    return sorted(p["name"] for p in loaded
+                  if p["name"] not in filled and not p["name"].startswith(shared) and "scale" not in p["name"]
+                  and (own_head or not p["name"].startswith("lm_head.")))
 
 
 def expected_probe_acceptance(output: list[int], token: int, n: int) -> dict:

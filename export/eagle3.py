@@ -44,7 +44,12 @@ KEEP_BF16 = {"lm_head": "lm_head"}
 KEEP_BF16_UNLESS_ASKED = {"fc": "model.fc"}
 
 
-def key_map(fmt: str) -> dict[str, str]:
+def tensors(d: dict) -> tuple[str, ...]:
+    """The draft's tensors, by our names (the same for every EAGLE-3 draft config `d`)."""
+    return TENSORS
+
+
+def key_map(fmt: str, d: dict | None = None) -> dict[str, str]:
     """Our name -> the name in `fmt`'s safetensors. One to one, every tensor."""
     if fmt == "vllm":
         return {k: k for k in TENSORS}
@@ -53,7 +58,7 @@ def key_map(fmt: str) -> dict[str, str]:
     raise DraftsmithError(f"unknown EAGLE-3 export format '{fmt}'; use one of {', '.join(FORMATS)}")
 
 
-def keep_bf16(quantize_fc: bool) -> dict[str, str]:
+def keep_bf16(quantize_fc: bool, d: dict | None = None) -> dict[str, str]:
     """{file/Quark name: vLLM runtime name} of the layers that stay BF16 in an FP8 export."""
     return {**KEEP_BF16, **({} if quantize_fc else KEEP_BF16_UNLESS_ASKED)}
 
@@ -100,10 +105,11 @@ def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int) ->
     }
 
 
-def probe_tensors(w: dict, token: int) -> dict:
+def probe(config: dict, w: dict, d: dict, token: int) -> tuple[dict, dict, dict]:
     """The constant-proposal probe (export/checks.py) on vLLM-native tensors: final norm
     weight 0 makes every logit 0, so argmax takes draft id 0, and a contiguous vocabulary
-    X..X+Vd-1 with d2t[i] = X maps it to target token X."""
+    X..X+Vd-1 with d2t[i] = X maps it to target token X. Returns (config.json, tensors,
+    draft config) of the probe; only the tensors change."""
     Vd, V = w["d2t"].numel(), w["t2d"].numel()
     if not 0 <= token <= V - Vd:
         raise DraftsmithError(f"probe token {token} must be <= V - Vd = {V - Vd} (vocabulary X..X+Vd-1)")
@@ -113,7 +119,7 @@ def probe_tensors(w: dict, token: int) -> dict:
     t2d = torch.zeros_like(w["t2d"])
     t2d[token:token + Vd] = True
     w["t2d"] = t2d
-    return w
+    return config, w, d
 
 
 def describe(manifest: dict) -> list[str]:

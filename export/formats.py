@@ -2,9 +2,10 @@
 
 Generic over algorithms: each has one exporter module under export/, registered in
 `EXPORTERS` under the same name as its draft in trainer.drafts.DRAFTS. An exporter
-provides METHOD (vLLM's speculative method), FORMATS, FP8_FORMATS, TENSORS, `key_map(fmt)`
-(our names -> the file's, one to one), `config_json(...)`, `keep_bf16(quantize_fc)` (what
-Quark must leave BF16, with vLLM's runtime names), `probe_tensors(...)`, `describe(...)`.
+provides METHOD (vLLM's speculative method), TITLE, FORMATS, FP8_FORMATS, `tensors(d)` (our
+names for draft config d), `key_map(fmt, d)` (ours -> the file's, one to one),
+`config_json(...)`, `keep_bf16(quantize_fc)` (what Quark must leave BF16, with vLLM's
+runtime names), `probe(...)` (the constant-proposal probe) and `describe(manifest)`.
 
 Each export folder also holds draftsmith_export.json (what was exported from what,
 sha256 of every file) and the draft's training report.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from export import eagle3
+from export import dflash, eagle3
 from trainer.drafts import build
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json
@@ -27,7 +28,7 @@ from trainer.target import LAYER_ID_CONVENTION, sha256_file
 EXPORT_MANIFEST = "draftsmith_export.json"
 WEIGHTS = "model.safetensors"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-EXPORTERS = {"eagle3": eagle3}  # algorithm (trainer.drafts.DRAFTS key) -> its exporter
+EXPORTERS = {"eagle3": eagle3, "dflash": dflash}  # algorithm (trainer.drafts.DRAFTS key) -> its exporter
 
 
 def exporter(algorithm: str):
@@ -63,7 +64,7 @@ def read_draft_dir(path: str | Path) -> tuple[dict, dict]:
         raise DraftsmithError(f"{cfg_path}: algorithm {cfg.get('algorithm')!r} has no exporter "
                               f"(known: {', '.join(EXPORTERS)})")
     state = load_file(weights)
-    ours = {k: k for k in exporter(cfg["algorithm"]).TENSORS}
+    ours = {k: k for k in exporter(cfg["algorithm"]).tensors(cfg["draft"])}
     rename_strict(state, ours, str(weights))
     return cfg, state
 
@@ -86,8 +87,9 @@ def check_against_target(cfg: dict, target, draft_dir: Path) -> None:
     manifest = Path(capture) / "manifest.json" if capture else None
     if manifest is not None and manifest.is_file():  # the training data's own record, when still on disk
         m = json.loads(manifest.read_text())
-        if list(m["aux_layer_ids"]) != list(d["aux_layer_ids"]):
-            problems.append(f"capture {capture} used layer ids {m['aux_layer_ids']}, the draft says {d['aux_layer_ids']}")
+        if not set(d["aux_layer_ids"]) <= set(m["aux_layer_ids"]):
+            problems.append(f"capture {capture} holds layer ids {m['aux_layer_ids']}, the draft says it was trained "
+                            f"on {d['aux_layer_ids']}")
         if m["target"]["sha256"] != target.content_hash:
             problems.append(f"capture {capture} was made from another target ({m['target']['name']})")
     if problems:
@@ -110,7 +112,7 @@ def write_export(out: Path, cfg: dict, state: dict, target, fmt: str, dtype: str
         raise DraftsmithError(f"format '{fmt}' is not one of {', '.join(ex.FORMATS)} for {cfg['algorithm']}")
     torch_dtype = DTYPES[dtype]
     tensors = {k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous()
-               for k, v in rename_strict(state, ex.key_map(fmt), "draft").items()}
+               for k, v in rename_strict(state, ex.key_map(fmt, cfg["draft"]), "draft").items()}
     atomic_save_safetensors(out / WEIGHTS, tensors, metadata={"format": "pt"})
     atomic_write_json(out / "config.json", ex.config_json(cfg["draft"], target, fmt, dtype, num_draft_tokens))
     for name in ("train_report.json",):
@@ -200,7 +202,7 @@ def load_export(path: str | Path, target):
                               f"({manifest['target']['sha256'][:12]}), not {target.name} ({target.content_hash[:12]})")
     quant = manifest.get("quantization") or {}
     state, quantized = dequantize_fp8(state) if quant else (state, set())
-    inverse = {v: k for k, v in exporter(manifest["algorithm"]).key_map(manifest["format"]).items()}
+    inverse = {v: k for k, v in exporter(manifest["algorithm"]).key_map(manifest["format"], manifest["draft"]).items()}
     state = rename_strict(state, inverse, f"{path}/{WEIGHTS}")
     draft = build(manifest["algorithm"], manifest["draft"], target)
     draft.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()},
@@ -216,5 +218,5 @@ def load_export(path: str | Path, target):
 def draft_state_from_export(path: str | Path) -> dict:
     """The tensors of a BF16/FP32 export under our names (for round-trip checks)."""
     manifest, _, state = read_export(path)
-    inverse = {v: k for k, v in exporter(manifest["algorithm"]).key_map(manifest["format"]).items()}
+    inverse = {v: k for k, v in exporter(manifest["algorithm"]).key_map(manifest["format"], manifest["draft"]).items()}
     return rename_strict(state, inverse, f"{path}/{WEIGHTS}")

@@ -75,7 +75,7 @@ def export_fp8(cfg: ExportConfig, staging: Path, draft_cfg: dict, state: dict, t
         bf16.mkdir()
         bf16_manifest = formats.write_export(bf16, draft_cfg, state, target, "vllm", "bfloat16",
                                              cfg.num_draft_tokens, draft_dir, extra)
-        keep = formats.exporter(draft_cfg["algorithm"]).keep_bf16(cfg.quantize_fc)
+        keep = formats.exporter(draft_cfg["algorithm"]).keep_bf16(cfg.quantize_fc, draft_cfg["draft"])
         print(f"quantizing with AMD Quark ({cfg.fp8_scheme}; {', '.join(sorted(keep))} stay BF16)")
         qcfg = quark.quantize_fp8(bf16, staging, keep, cfg.fp8_scheme)
         (staging / formats.EXPORT_MANIFEST).unlink(missing_ok=True)  # Quark copied the BF16 one

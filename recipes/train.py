@@ -128,7 +128,7 @@ def check_effective(cfg: TrainConfig, accelerator, model) -> dict:
 
 
 def load_data(cfg: TrainConfig, target):
-    """(dataset, the draft's aux layer ids, d2t, t2d, data description), validated against the target.
+    """(dataset, the draft's aux layer ids, d2t, t2d, token counts, data description), validated against the target.
     The draft's ids: draft.aux_layer_ids, else the capture's choice for this algorithm, else
     the algorithm's default; a capture holding more layers serves each draft its subset."""
     algo = get(cfg.algorithm)
@@ -143,7 +143,7 @@ def load_data(cfg: TrainConfig, target):
         d2t, t2d = build_draft_vocab(counts, min(cfg.draft_vocab_size, target.vocab_size))
         ids = list(cfg.draft.aux_layer_ids or algo.default_layer_ids(target.num_layers))
         target.check_layer_ids(ids)
-        return PreparedSamples(ds, cfg.max_length), ids, d2t, t2d, {"prepared": str(cfg.data)}
+        return PreparedSamples(ds, cfg.max_length), ids, d2t, t2d, counts, {"prepared": str(cfg.data)}
     info = load_manifest(cfg.data)
     m = info.manifest
     t = m["target"]
@@ -157,7 +157,7 @@ def load_data(cfg: TrainConfig, target):
                or algo.default_layer_ids(target.num_layers))
     vocab = load_file(info.path / DRAFT_VOCAB)
     dataset = CapturedSamples(info.path, cfg.max_length, ids)  # refuses ids the capture does not hold
-    return dataset, ids, vocab["d2t"], vocab["t2d"], {"capture": str(cfg.data)}
+    return dataset, ids, vocab["d2t"], vocab["t2d"], vocab["counts"], {"capture": str(cfg.data)}
 
 
 def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
@@ -182,10 +182,16 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
 
     # The frozen target: its embedding feeds the draft; its head gives the training targets.
     target = load_target(cfg.target, "float32" if accelerator.device.type == "cpu" else "bfloat16", accelerator.device)
-    dataset, aux_ids, d2t, t2d, data_desc = load_data(cfg, target)
+    dataset, aux_ids, d2t, t2d, counts, data_desc = load_data(cfg, target)
     draft_cfg = dataclasses.replace(cfg.draft).fill_from_target(target.model.config.get_text_config(), aux_ids,
                                                                  int(d2t.numel()))
-    draft = algo.Draft(draft_cfg, target.backbone.embed_tokens)
+    draft_cfg = algo.fill_from_data(draft_cfg, counts, target.tokenizer.all_special_ids)
+    Vd = draft_cfg.draft_vocab_size
+    if Vd is not None and Vd != d2t.numel():  # a smaller draft vocabulary than the capture's
+        from trainer.data.vocab import build_draft_vocab
+
+        d2t, t2d = build_draft_vocab(counts, Vd)
+    draft = algo.build(draft_cfg, target)
     draft.set_vocab(d2t, t2d)
     model = TrainStep(cfg.algorithm, draft)
     draft.gradient_checkpointing = cfg.gradient_checkpointing

@@ -57,7 +57,7 @@ def bench_smollm2(capture: str, steps: int, K: int) -> None:
 
     target = load_target("smollm2-135m-instruct")
     cfg = TrainConfig(data=capture, output_dir="-", max_length=1024)
-    ds, ids, d2t, t2d, _ = load_data(cfg, target)
+    ds, ids, d2t, t2d, _, _ = load_data(cfg, target)
     dcfg = eagle3.Config(ttt_steps=K).fill_from_target(target.model.config, ids, int(d2t.numel()))
     draft = eagle3.Draft(dcfg, target.backbone.embed_tokens)
     draft.set_vocab(d2t, t2d)

@@ -25,7 +25,7 @@ def demo_run(tmp_path_factory):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         demo.main([f"output_dir={out}", "prepare.max_records=100", "prepare.max_length=1024",
-                   "capture.max_samples=16", "capture.samples_per_shard=8", "train.max_steps=4", "train.draft.ttt_steps=3",
+                   "capture.max_samples=16", "capture.samples_per_shard=8", "train.max_steps=4",
                    "train.max_length=512", "eval_prompts=2", "eval_max_new_tokens=12", "gate_prompts=2"])
     (out / "demo.out").write_text(printed.getvalue())
     return out
@@ -55,12 +55,14 @@ def test_demo_prints_and_writes_a_capture(demo_run):
     m = json.loads((demo_run / "capture" / "manifest.json").read_text())
     assert m["samples"] == 16 and len(m["shards"]) == 2
     assert m["target"]["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert m["aux_layer_ids"] == [2, 15, 27] and m["target"]["num_layers"] == 30
-    assert m["draft_layer_ids"] == {"eagle3": [2, 15, 27]} and m["layer_id_convention"] == "entering-layer"
+    # one capture for both drafts: the sorted union of EAGLE-3's (2, 15, 27) and DFlash's (2, 9, 15, 21, 28)
+    assert m["aux_layer_ids"] == [2, 9, 15, 21, 27, 28] and m["target"]["num_layers"] == 30
+    assert m["draft_layer_ids"] == {"eagle3": [2, 15, 27], "dflash": [2, 9, 15, 21, 28]}
+    assert m["layer_id_convention"] == "entering-layer"
     assert m["store_dtype"] == "bfloat16"
-    # 3 aux layers + the last layer, H=576, bf16, plus int32 id and uint8 mask = 4613 bytes a token
-    assert m["bytes_per_token"]["expected"] == 4 * 576 * 2 + 5
-    assert m["bytes_per_token"]["on_disk"] == pytest.approx(4613, rel=0.01)
+    # 6 aux layers + the last layer, H=576, bf16, plus int32 id and uint8 mask = 8069 bytes a token
+    assert m["bytes_per_token"]["expected"] == 7 * 576 * 2 + 5
+    assert m["bytes_per_token"]["on_disk"] == pytest.approx(8069, rel=0.01)
     s = json.loads((demo_run / "prepared" / "summary.json").read_text())
     assert s["records_read"] == 100 and s["kept"] >= 16
     assert s["skipped"].get("leading_assistant", 0) > 0  # the packaged ShareGPT has them
@@ -74,7 +76,7 @@ def test_captured_states_match_the_target(demo_run, smollm2):
         with torch.no_grad():
             ref = smollm2.model(ids, output_hidden_states=True)
         H = 576
-        for k, layer in enumerate([2, 15, 27]):
+        for k, layer in enumerate([2, 9, 15, 21, 27, 28]):
             torch.testing.assert_close(s["aux_hidden_states"][:, k * H:(k + 1) * H].float(), ref.hidden_states[layer][0],
                                        atol=0.05, rtol=0.02)
         logits = smollm2.logits_from_last_hidden(s["last_hidden_state"].float())

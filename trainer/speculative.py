@@ -28,8 +28,8 @@ import torch
 
 # How a draft picks its proposals under sampling (vLLM 0.32 `draft_sample_method`):
 # "greedy" (vLLM's default: the draft's argmax, a one-hot q in rejection sampling) or
-# "sample" (x ~ q, the draft's processed distribution as q). Either way lossless.
-DRAFT_SAMPLING = ("greedy", "sample")
+# "probabilistic" (x ~ q, the draft's processed distribution as q). Either way lossless.
+DRAFT_SAMPLING = ("greedy", "probabilistic")
 
 
 @dataclass

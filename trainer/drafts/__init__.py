@@ -9,8 +9,12 @@ The draft contract: each module under trainer/drafts/ provides
                                 (K, the draft positions trained and measured per sample position).
     default_layer_ids(L)        aux layer ids for a target of L layers, strictly increasing, in
                                 the one convention draftsmith stores (trainer.target.LAYER_ID_CONVENTION)
-    Draft(cfg, embed_tokens)    the served nn.Module (the target's embedding is shared, frozen,
-                                outside its state dict); `set_vocab(d2t, t2d)`, `draft_to_target()`
+    Draft                       the served nn.Module (the target's embedding, and LM head where the
+                                draft has none of its own, are shared, frozen, outside its state
+                                dict); `set_vocab(d2t, t2d)`, `draft_to_target()`
+    build(cfg, target)          the Draft for a target
+    fill_from_data(cfg, counts, special_ids)
+                                config fields taken from the training data (DFlash: the mask token)
     target_labels(target, batch, draft) -> dict
                                 the labels from the captured states, no grad
     training_step(draft, batch, labels) -> trainer.metrics.StepMetrics
@@ -30,10 +34,10 @@ from pathlib import Path
 
 from torch import nn
 
-from trainer.drafts import eagle3
+from trainer.drafts import dflash, eagle3
 from trainer.errors import ConfigError, DraftsmithError
 
-DRAFTS = {"eagle3": eagle3}
+DRAFTS = {"eagle3": eagle3, "dflash": dflash}
 
 
 def get(algorithm: str):
@@ -51,7 +55,7 @@ def get(algorithm: str):
 def build(algorithm: str, draft_config: dict, target):
     """A draft module from its saved config dict, sharing the target's embedding."""
     algo = get(algorithm)
-    return algo.Draft(algo.Config(**draft_config), target.backbone.embed_tokens)
+    return algo.build(algo.Config(**draft_config), target)
 
 
 class TrainStep(nn.Module):

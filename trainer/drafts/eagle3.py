@@ -262,7 +262,7 @@ class Eagle3Proposer:
     and the trailing holes common to all rows are cropped.
 
     draft_sampling: "greedy" (vLLM 0.32's default `draft_sample_method`: the argmax is
-    proposed and rejection sampling sees a one-hot q) or "sample" (x ~ q, with the
+    proposed and rejection sampling sees a one-hot q) or "probabilistic" (x ~ q, with the
     draft's processed distribution as q), seeded by `seed`.
     """
 
@@ -331,7 +331,7 @@ class Eagle3Proposer:
         hidden, pos = self.last_hidden[:, None], self.last_pos[:, None]  # [B, 1, H], [B, 1]
         past, mask = self.past, self.mask
         tokens, qs = [], []
-        sample = self.draft_sampling == "sample" and not sampling.greedy
+        sample = self.draft_sampling == "probabilistic" and not sampling.greedy
         for j in range(n):
             logits = d.lm_head(d.norm(hidden))[:, 0]  # [B, Vd]
             if sample:
@@ -358,6 +358,16 @@ class Eagle3Proposer:
 Draft = Eagle3Draft
 Config = Eagle3Config
 Proposer = Eagle3Proposer
+
+
+def build(cfg: Eagle3Config, target) -> Eagle3Draft:
+    """The draft for `target`, sharing its embedding."""
+    return Eagle3Draft(cfg, target.backbone.embed_tokens)
+
+
+def fill_from_data(cfg: Eagle3Config, counts: torch.Tensor, special_ids) -> Eagle3Config:
+    """EAGLE-3 takes nothing more from the data than its vocabulary (set_vocab)."""
+    return cfg
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -422,4 +432,5 @@ def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024) ->
     return {"p": torch.cat(probs, dim=1), "in_vocab": torch.cat(in_vocab, dim=1)}
 
 
-__all__ = ["Config", "Draft", "Proposer", "default_layer_ids", "training_step", "target_labels", "ttt_attention"]
+__all__ = ["Config", "Draft", "Proposer", "build", "default_layer_ids", "fill_from_data", "training_step",
+           "target_labels", "ttt_attention"]

@@ -1,0 +1,116 @@
+"""The DFlash exporter: vLLM's `DFlashDraftModel` layout (vllm/model_executor/models/qwen3_dflash.py).
+
+config.json is a Qwen3 config of the draft layers (q_norm/k_norm attention; vLLM serves
+DFlash only this way, whatever the target's architecture) plus
+    dflash_config: {mask_token_id, target_layer_ids}   output-of-layer ids: vLLM reads i + 1
+                                                       (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py)
+    block_size, num_target_layers, target_hidden_size  ours to record (vLLM takes N from
+                                                       num_speculative_tokens and ignores block_size)
+    rope_parameters, max_position_embeddings           written explicitly (>= the target's)
+and never a top-level `eagle_aux_hidden_state_layer_ids`, which vLLM would read instead of
+target_layer_ids, without the +1. Weights keep our names (fc, hidden_norm, layers.N.*,
+norm); the embedding and LM head are the target's unless the draft has a reduced
+vocabulary (lm_head + d2t; vLLM skips t2d).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.errors import DraftsmithError
+from trainer.target import entering_to_output
+
+METHOD = "dflash"
+FORMATS = ("vllm",)
+FP8_FORMATS = ("vllm",)
+TITLE = "DFlash draft model"
+KEEP_BF16 = {"lm_head": "lm_head"}  # vLLM runs the draft at `model.`; lm_head stays at the top
+KEEP_BF16_UNLESS_ASKED = {"fc": "model.fc"}
+
+LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight",
+                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def tensors(d: dict) -> tuple[str, ...]:
+    """The draft's tensors, by our names, for draft config `d`: every one is exported."""
+    names = ["fc.weight", "hidden_norm.weight", "norm.weight",
+             *(f"layers.{i}.{t}" for i in range(d["num_hidden_layers"]) for t in LAYER_TENSORS)]
+    if d.get("draft_vocab_size") is not None:
+        names += ["lm_head.weight", "d2t", "t2d"]
+    return tuple(names)
+
+
+def key_map(fmt: str, d: dict) -> dict[str, str]:
+    if fmt != "vllm":
+        raise DraftsmithError(f"unknown DFlash export format '{fmt}'; use one of {', '.join(FORMATS)}")
+    return {k: k for k in tensors(d)}
+
+
+def keep_bf16(quantize_fc: bool, d: dict) -> dict[str, str]:
+    """{file/Quark name: vLLM runtime name} of the layers that stay BF16 in an FP8 export
+    (lm_head only where the draft has its own: otherwise it is the target's, not in the file)."""
+    own_head = d.get("draft_vocab_size") is not None
+    return {**(KEEP_BF16 if own_head else {}), **({} if quantize_fc else KEEP_BF16_UNLESS_ASKED)}
+
+
+def target_layer_ids(d: dict) -> list[int]:
+    """Our entering-layer ids -> vLLM's DFlash output-of-layer ids (vLLM adds 1 back)."""
+    return [entering_to_output(i) for i in d["aux_layer_ids"]]
+
+
+def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int) -> dict:
+    if num_draft_tokens > d["block_size"] - 1:
+        raise DraftsmithError(f"num_draft_tokens {num_draft_tokens} is more than a DFlash block of "
+                              f"{d['block_size']} proposes ({d['block_size'] - 1})")
+    tcfg = target.model.config.get_text_config()
+    rope = dict(d["rope_parameters"] or {"rope_type": "default", "rope_theta": 10000.0})
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": d["hidden_size"], "intermediate_size": d["intermediate_size"],
+        "num_hidden_layers": d["num_hidden_layers"], "num_attention_heads": d["num_attention_heads"],
+        "num_key_value_heads": d["num_key_value_heads"], "head_dim": d["head_dim"], "hidden_act": "silu",
+        "rms_norm_eps": d["rms_norm_eps"], "attention_bias": False, "tie_word_embeddings": False,
+        "max_position_embeddings": max(d["max_position_embeddings"], tcfg.max_position_embeddings),
+        "rope_parameters": rope, "rope_theta": rope.get("rope_theta", 10000.0),
+        "vocab_size": d["vocab_size"], "target_hidden_size": d["target_hidden_size"],
+        "block_size": d["block_size"], "num_target_layers": len(d["aux_layer_ids"]),
+        "dflash_config": {"mask_token_id": d["mask_token_id"], "target_layer_ids": target_layer_ids(d)},
+        "bos_token_id": tcfg.bos_token_id, "eos_token_id": tcfg.eos_token_id,
+        "torch_dtype": dtype, "dtype": dtype,
+    }
+    if d.get("draft_vocab_size") is not None:
+        cfg["draft_vocab_size"] = d["draft_vocab_size"]
+    return cfg
+
+
+def probe(config: dict, w: dict, d: dict, token: int) -> tuple[dict, dict, dict]:
+    """The constant-proposal probe (export/checks.py): a one-token draft vocabulary
+    {token} (lm_head [1, H], d2t = [token]), so that vLLM's compute_logits scatters one
+    finite logit into -inf and every slot proposes `token`. Returns (config.json,
+    tensors, draft config) of the probe."""
+    if not 0 <= token < d["vocab_size"]:
+        raise DraftsmithError(f"probe token {token} is outside the vocabulary (0..{d['vocab_size'] - 1})")
+    w = {k: v for k, v in w.items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    ref = w["norm.weight"]
+    w["lm_head.weight"] = torch.ones(1, ref.numel(), dtype=ref.dtype)
+    w["d2t"] = torch.tensor([token], dtype=torch.int64)
+    t2d = torch.zeros(d["vocab_size"], dtype=torch.bool)
+    t2d[token] = True
+    w["t2d"] = t2d
+    return {**config, "draft_vocab_size": 1}, w, {**d, "draft_vocab_size": 1}
+
+
+def describe(manifest: dict) -> list[str]:
+    d = manifest["draft"]
+    return [f"- {d['num_hidden_layers']} Qwen3-style decoder layer(s) (hidden {d['hidden_size']}, "
+            f"{d['num_attention_heads']} heads / {d['num_key_value_heads']} KV heads, MLP {d['intermediate_size']}) "
+            f"drafting blocks of {d['block_size']} ([anchor, mask x {d['block_size'] - 1}], mask token "
+            f"{d['mask_token_id']}) in one forward",
+            f"- context: `fc` fusing the target's hidden states at output-of-layer ids {target_layer_ids(d)} "
+            "(vLLM's `dflash_config.target_layer_ids`)",
+            "- vocabulary: " + (f"{d['draft_vocab_size']:,} of the target's {d['vocab_size']:,} tokens (`d2t`)"
+                                if d.get("draft_vocab_size") else "the target's LM head (not included)")
+            + "; the token embedding is the target's (not included)",
+            "- layout: vLLM `DFlashDraftModel` (`--speculative-config '{\"method\": \"dflash\", ...}'`)"]

@@ -1,0 +1,443 @@
+"""DFlash draft: config, the served module (vLLM `DFlashDraftModel` layout), its
+anchor-block training step and its in-tree proposer.
+
+Sources: DFlash (z-lab, 2026: "block diffusion" drafting, one draft forward proposes a
+block of tokens in parallel, conditioned on the target's hidden states); served layout
+vllm/model_executor/models/qwen3_dflash.py and vllm/v1/spec_decode/dflash.py (vLLM 0.32).
+
+What vLLM computes, and so what this module computes:
+    context  c_t = hidden_norm(fc(concat of the target's states at target_layer_ids, position t))
+             each layer's context keys/values: k_norm(k_proj(c_t)) with RoPE at t, v_proj(c_t)
+             (no input_layernorm on the context path: precompute_and_store_context_kv)
+    queries  the block [anchor, MASK x (B-1)] at positions p..p+B-1, through Qwen3-style
+             decoder layers (q_norm/k_norm, SwiGLU), attending the context at positions < p
+             and the whole block (bidirectional); then `norm` and the LM head.
+    slot k (1..B-1) predicts the token at p+k; the anchor is the token whose target state
+    is not known yet (the pending token). N = num_speculative_tokens <= B-1.
+The token embedding and, by default, the LM head are the target's, frozen, not saved;
+`draft_vocab_size` set gives the draft its own head over a reduced vocabulary (d2t).
+
+Module layout (vLLM names, a one-to-one key map on export):
+    fc, hidden_norm, layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
+    post_attention_layernorm, mlp.{gate,up,down}_proj}, norm, [lm_head, d2t, t2d]
+
+Layer ids are stored in draftsmith's entering-layer convention; vLLM's
+`dflash_config.target_layer_ids` counts "output of layer i" (it reads i + 1): the
+exporter converts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
+from trainer.errors import ConfigError
+from trainer.metrics import StepMetrics
+
+DEFAULT_NUM_TARGET_LAYERS = 5  # z-lab's DFlash drafts read 5 target layers (Qwen3-8B: output ids 1, 9, 17, 25, 33)
+
+
+def default_layer_ids(num_layers: int, n: int = DEFAULT_NUM_TARGET_LAYERS) -> list[int]:
+    """n target layers spread over output-of-layer ids 1..L-3 (z-lab's round(1 + i(L-4)/(n-1))),
+    returned in draftsmith's entering-layer convention (+1), strictly increasing."""
+    span = max(num_layers - 4, 0)
+    out = sorted({round(1 + i * span / max(n - 1, 1)) for i in range(n)})
+    return [i + 1 for i in out if i + 1 <= num_layers]
+
+
+@dataclass
+class DFlashConfig:
+    """Shape and objective. Null shape fields come from the target (`fill_from_target`)."""
+
+    hidden_size: int | None = None  # H, the target's (shared embedding)
+    intermediate_size: int | None = None
+    num_hidden_layers: int = 5  # draft layers (z-lab: 5 for 8B targets)
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float | None = None
+    max_position_embeddings: int | None = None  # >= the target's (vLLM does not raise a small value)
+    rope_parameters: dict | None = None
+    target_hidden_size: int | None = None
+    vocab_size: int | None = None  # V, the target's
+    # None: the target's LM head over the full vocabulary (shared, not saved). An int: the
+    # draft's own head over the Vd most frequent tokens (d2t), initialized from the target's rows.
+    draft_vocab_size: int | None = None
+    aux_layer_ids: list[int] | None = None  # entering-layer convention; null: the capture's choice for dflash
+    mask_token_id: int | None = None  # chosen at training: a token the training data never uses
+    block_size: int = 16  # B: anchor + B-1 predicted slots
+    # Objective (DFlash recipe): random anchors inside assistant spans, CE on slots k >= 1
+    # weighted exp(-(k-1)/gamma) (gamma 7 for B = 16, 4 for B = 8), normalized by the weights.
+    num_anchors: int = 512  # per sequence (every public recipe); fewer on a CPU
+    gamma: float = 7.0
+    labels: str = "target"  # "target": the target's greedy token; "data": the token in the data
+
+    def validate(self) -> None:
+        if self.block_size < 2:
+            raise ConfigError("draft.block_size must be >= 2 (the anchor and at least one predicted slot)")
+        if self.num_hidden_layers < 1 or self.num_anchors < 1:
+            raise ConfigError("draft.num_hidden_layers and draft.num_anchors must be >= 1")
+        if self.gamma <= 0:
+            raise ConfigError("draft.gamma must be > 0")
+        if self.labels not in ("target", "data"):
+            raise ConfigError(f"draft.labels '{self.labels}' is not one of target, data")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ConfigError("draft.draft_vocab_size must be >= 1 or null (the target's full vocabulary)")
+
+    @property
+    def num_positions(self) -> int:
+        return self.block_size - 1
+
+    def fill_from_target(self, target_config, aux_layer_ids, draft_vocab_size: int | None = None) -> DFlashConfig:
+        t = target_config
+        for name, value in (("hidden_size", t.hidden_size), ("intermediate_size", t.intermediate_size),
+                            ("num_attention_heads", t.num_attention_heads),
+                            ("num_key_value_heads", getattr(t, "num_key_value_heads", t.num_attention_heads)),
+                            ("head_dim", getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads),
+                            ("rms_norm_eps", t.rms_norm_eps), ("max_position_embeddings", t.max_position_embeddings),
+                            ("rope_parameters", dict(getattr(t, "rope_parameters", None) or
+                                                     {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)})),
+                            ("target_hidden_size", t.hidden_size), ("vocab_size", t.vocab_size)):
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.aux_layer_ids is None:
+            self.aux_layer_ids = list(aux_layer_ids)
+        if self.draft_vocab_size is not None and draft_vocab_size is not None:
+            self.draft_vocab_size = min(self.draft_vocab_size, draft_vocab_size)
+        return self
+
+
+class Attention(nn.Module):
+    """Qwen3 attention (per-head q_norm/k_norm before RoPE) whose keys/values are prefixed
+    with the projected context."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(H, self.nh * hd, bias=False)
+        self.k_proj = nn.Linear(H, self.nkv * hd, bias=False)
+        self.v_proj = nn.Linear(H, self.nkv * hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * hd, H, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def kv(self, x, cos, sin):
+        """x [B, S, H] -> keys, values [B, nkv, S, hd] (k_norm, then RoPE)."""
+        B, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, S, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, self.nkv, self.hd).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_kv, allowed):
+        """x [B, Q, H] block queries; ctx_kv (K, V) [B, nkv, S, hd]; allowed bool [B, 1, Q, S+Q]."""
+        B, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.hd)).transpose(1, 2)  # [B, nh, Q, hd]
+        q = apply_rotary(q, cos, sin)
+        k, v = self.kv(x, cos, sin)
+        keys, values = torch.cat([ctx_kv[0], k], 2), torch.cat([ctx_kv[1], v], 2)  # [B, nkv, S+Q, hd]
+        out = attend(q, keys, values, allowed)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, ctx_kv, allowed):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_kv, allowed)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, cfg: DFlashConfig, embed_tokens: nn.Embedding | None = None,
+                 lm_head: nn.Module | None = None):
+        super().__init__()
+        if cfg.hidden_size != cfg.target_hidden_size:
+            raise ConfigError(f"DFlash draft hidden_size {cfg.hidden_size} must equal the target's "
+                              f"{cfg.target_hidden_size}: the draft shares the target's embedding")
+        if cfg.mask_token_id is None:
+            raise ConfigError("a DFlash draft needs draft.mask_token_id (chosen at training from tokens the data "
+                              "never uses)")
+        self.config = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings, H,
+                             cfg.num_attention_heads)
+        Vd = cfg.draft_vocab_size
+        if Vd is not None:  # own head over a reduced vocabulary
+            self.lm_head = nn.Linear(H, Vd, bias=False)
+            self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
+            self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        # The target's embedding (and LM head without a reduced vocabulary): frozen, outside
+        # this module's parameters and state dict.
+        self._target = [embed_tokens, lm_head]
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._target[0]
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """The reduced vocabulary (ignored with the target's full head); the draft's own head
+        starts from the target's rows of those tokens."""
+        if self.config.draft_vocab_size is None:
+            return
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self._target[1].weight[self.draft_to_target()])
+
+    def draft_to_target(self) -> torch.Tensor:
+        """[Vd] target ids of the draft vocabulary (all V ids without a reduced vocabulary)."""
+        if self.config.draft_vocab_size is None:
+            return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: [..., H] -> [..., Vd] (V with the target's head)."""
+        h = self.norm(h)
+        return self.lm_head(h) if self.config.draft_vocab_size is not None else self._target[1](h)
+
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's aux states [B, S, L*Ht] -> context features [B, S, H]."""
+        return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the context keys/values [B, nkv, S, hd] at `positions` [B, S]."""
+        cos, sin = self.rotary(positions, ctx.dtype)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def blocks(self, block_ids: torch.Tensor, positions: torch.Tensor, ctx_kv, allowed) -> torch.Tensor:
+        """block_ids, positions [B, Q]; ctx_kv from `context_kv`; allowed bool [B, 1, Q, S+Q] ->
+        the last layer's output [B, Q, H] (before the final norm)."""
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, kv, allowed)
+        return x
+
+
+Draft = DFlashDraft
+Config = DFlashConfig
+
+
+def build(cfg: DFlashConfig, target) -> DFlashDraft:
+    """The draft for `target`: its embedding, and its LM head unless the draft has its own."""
+    return DFlashDraft(cfg, target.backbone.embed_tokens, target.model.lm_head)
+
+
+def fill_from_data(cfg: DFlashConfig, counts: torch.Tensor, special_ids) -> DFlashConfig:
+    """Fields that come from the training data: the mask token (a token the data never uses)."""
+    if cfg.mask_token_id is None:
+        cfg.mask_token_id = choose_mask_token(counts, special_ids)
+    return cfg
+
+
+def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor, n: int,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to n random anchors per row at positions p with loss_mask[p] and loss_mask[p+1]
+    (inside an assistant span, with a token after it to predict). loss_mask [B, T].
+    Returns anchors [B, n'] (sorted, padded with 0) and valid [B, n'] bool."""
+    B, T = loss_mask.shape
+    ok = torch.zeros_like(loss_mask, dtype=torch.bool)
+    ok[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
+    keys = torch.rand(B, T, generator=generator, device=loss_mask.device).masked_fill(~ok, 2.0)
+    k = max(1, min(n, int(ok.sum(-1).max())))
+    chosen = keys.topk(k, dim=-1, largest=False).indices  # [B, k] random eligible positions first
+    valid = ok.gather(1, chosen)
+    chosen = torch.where(valid, chosen, torch.zeros_like(chosen))
+    order = torch.where(valid, chosen, torch.full_like(chosen, T)).argsort(-1)
+    return chosen.gather(1, order), valid.gather(1, order)
+
+
+def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, T: int, block_size: int,
+                 mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed query blocks of a batch. ids [B, T]; anchors, valid [B, n].
+    Returns block_ids [B, n*Bk] ([anchor token, MASK x (Bk-1)] per block), positions
+    [B, n*Bk] (anchor + slot) and allowed bool [B, 1, n*Bk, T + n*Bk]: context keys at
+    positions strictly before the block's anchor, and its own block (bidirectional)."""
+    B, n = anchors.shape
+    Bk = block_size
+    dev = ids.device
+    slot = torch.arange(Bk, device=dev)
+    pos = (anchors[..., None] + slot).reshape(B, n * Bk)  # [B, n*Bk]
+    block_ids = torch.full((B, n, Bk), mask_token_id, dtype=ids.dtype, device=dev)
+    block_ids[..., 0] = ids.gather(1, anchors)
+    ctx = torch.arange(T, device=dev)[None, None, :] < anchors[..., None]  # [B, n, T]
+    ctx = ctx.repeat_interleave(Bk, dim=1)  # [B, n*Bk, T]
+    blk = torch.arange(n, device=dev).repeat_interleave(Bk)  # [n*Bk] block of each query
+    own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, n*Bk, n*Bk]
+    allowed = torch.cat([ctx & valid.repeat_interleave(Bk, 1)[..., None], own], -1)[:, None]
+    return block_ids.reshape(B, n * Bk), pos, allowed
+
+
+def training_step(draft: DFlashDraft, batch: dict, labels: dict) -> StepMetrics:
+    """One DFlash training step over packed anchor blocks (z-lab's DFlash recipe).
+
+    batch: input_ids, loss_mask, attention_mask [B, T], aux_hidden_states [B, T, L*Ht].
+    labels (`target_labels`): anchors/valid [B, n], target_ids [B, T] (the target's greedy
+    token after each position).
+
+    Slot k of the block at anchor a predicts the token at a+k: the data token ids[a+k], or
+    the target's greedy choice there, target_ids[a+k-1]. Loss: CE on slots k >= 1 weighted
+    exp(-(k-1)/gamma), supervision stopping at the first slot outside the assistant span,
+    normalized by the weights' sum.
+    """
+    cfg = draft.config
+    ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    anchors, valid = labels["anchors"], labels["valid"]
+    B, T = ids.shape
+    n, Bk = anchors.shape[1], cfg.block_size
+    ctx = draft.context(batch["aux_hidden_states"])  # [B, T, H]
+    ctx_pos = torch.arange(T, device=ids.device).expand(B, T)
+    ctx_kv = draft.context_kv(ctx, ctx_pos)
+    block_ids, pos, allowed = block_inputs(ids, anchors, valid, T, Bk, cfg.mask_token_id)
+    h = draft.blocks(block_ids, pos, ctx_kv, allowed).view(B, n, Bk, -1)[:, :, 1:]  # [B, n, Bk-1, H]
+
+    # what slot k (1..Bk-1) must predict, and where supervision holds
+    at = (anchors[..., None] + torch.arange(1, Bk, device=ids.device)).clamp(max=T - 1)  # [B, n, Bk-1]
+    flat = at.reshape(B, -1)
+    in_span = (loss_mask.gather(1, flat) .bool() & attn.gather(1, flat).bool()).view(B, n, Bk - 1)
+    in_span &= (anchors[..., None] + torch.arange(1, Bk, device=ids.device)) < T
+    live = in_span.long().cumprod(-1).bool() & valid[..., None]  # stops at the first slot outside
+    want = (ids.gather(1, flat) if cfg.labels == "data" else labels["target_ids"].gather(1, flat - 1)).view(B, n, -1)
+    greedy = labels["target_ids"].gather(1, flat - 1).view(B, n, -1)  # what greedy verification accepts
+    w = torch.exp(-torch.arange(Bk - 1, device=ids.device, dtype=torch.float32) / cfg.gamma)  # [Bk-1]
+    weights = w * live  # [B, n, Bk-1]
+
+    rows = live.reshape(-1)
+    logits = draft.logits(h.reshape(-1, h.shape[-1])[rows])  # [R, Vd] only supervised slots
+    target = want.reshape(-1)[rows]
+    t2d = draft.t2d if cfg.draft_vocab_size is not None else None
+    if t2d is not None:  # a target id outside the reduced vocabulary cannot be predicted: no loss there
+        inv = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        inv[draft.draft_to_target()] = torch.arange(cfg.draft_vocab_size, device=ids.device)
+        target = inv[target]
+    ce = F.cross_entropy(logits.float(), target.clamp(min=0), reduction="none") * (target >= 0)
+    # per-sample weighted mean, then the mean over samples: a batch of B equals B accumulated batches of 1
+    row_of = torch.arange(B, device=ids.device).repeat_interleave(n * (Bk - 1))[rows]
+    per_sample = torch.zeros(B, device=ids.device).index_add(0, row_of, ce * weights.reshape(-1)[rows])
+    per_sample = per_sample / weights.sum((1, 2)).clamp(min=1e-6)
+    loss = per_sample.sum() / B
+
+    with torch.no_grad():
+        pred = torch.zeros_like(want)
+        pred.view(-1)[rows] = draft.draft_to_target()[logits.argmax(-1)]
+        hit = (pred == greedy) & live
+        run = hit.long().cumprod(-1).bool()  # slots 1..k all accepted
+        before = torch.cat([live[..., :1], run[..., :-1] & live[..., 1:]], -1)  # slots < k accepted, k live
+        position_loss = torch.zeros(Bk - 1, device=ids.device)
+        position_loss.index_add_(0, torch.arange(Bk - 1, device=ids.device).repeat(B * n)[rows], ce.detach())
+        position_loss = position_loss / live.sum((0, 1)).clamp(min=1)
+    return StepMetrics(loss=loss, position_loss=position_loss, correct=(run & before).sum((0, 1)),
+                       count=before.sum((0, 1)))
+
+
+@torch.no_grad()
+def target_labels(target, batch: dict, draft: DFlashDraft, chunk: int = 512) -> dict:
+    """Random anchors (the global RNG: seeded, restored on resume) and the target's greedy
+    token after every position, from the captured pre-norm last state, in chunks of T:
+    anchors, valid [B, n]; target_ids [B, T]."""
+    anchors, valid = sample_anchors(batch["loss_mask"], batch["attention_mask"], draft.config.num_anchors)
+    ids = [target.model.lm_head(target.backbone.norm(h.to(target.dtype))).argmax(-1)
+           for h in batch["last_hidden_state"].split(chunk, dim=1)]
+    return {"anchors": anchors, "valid": valid, "target_ids": torch.cat(ids, 1)}
+
+
+class DFlashProposer:
+    """DFlash drafting for the in-tree decoder, as vLLM's DFlash proposer runs it: the
+    target's states of committed positions become per-layer context keys/values once;
+    each round one draft forward over [pending token, MASK x N] at the pending token's
+    position onward proposes N tokens (slots 1..N). Rejected slots are holes in the
+    context, cropped when trailing for every row."""
+
+    def __init__(self, draft: DFlashDraft, draft_sampling: str = "greedy", seed: int = 0):
+        from trainer.speculative import DRAFT_SAMPLING
+
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise ConfigError(f"draft_sampling '{draft_sampling}' is not one of {', '.join(DRAFT_SAMPLING)}")
+        self.d = draft.eval()
+        self.aux_layer_ids = list(draft.config.aux_layer_ids)
+        self.max_draft_tokens = draft.config.block_size - 1
+        self.target_ids = draft.draft_to_target()
+        self.draft_sampling = draft_sampling
+        self.generator = torch.Generator(device=self.target_ids.device).manual_seed(seed)
+
+    @torch.no_grad()
+    def _extend(self, aux, new_mask):
+        """Commit positions: aux [B, T, L*Ht], new_mask [B, T] (False: hole)."""
+        mask = new_mask.bool() if self.mask is None else torch.cat([self.mask, new_mask.bool()], 1)
+        T = new_mask.shape[1]
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]  # positions from the mask, holes skipped
+        kv = self.d.context_kv(self.d.context(aux), pos)
+        self.kv = kv if self.kv is None else [(torch.cat([a[0], b[0]], 2), torch.cat([a[1], b[1]], 2))
+                                             for a, b in zip(self.kv, kv)]
+        self.mask = mask
+        trailing = int((~new_mask.bool()).long().flip(-1).cumprod(-1).sum(-1).min())
+        if trailing:
+            self.kv = [(k[:, :, :-trailing], v[:, :, :-trailing]) for k, v in self.kv]
+            self.mask = self.mask[:, :-trailing]
+
+    def begin(self, sequences, aux, mask):
+        self.kv, self.mask = None, None
+        self._extend(aux, mask)
+
+    def commit(self, sequences, aux, keep):
+        self._extend(aux, keep)
+
+    @torch.no_grad()
+    def propose(self, sequences, n: int, sampling):
+        from trainer.speculative import Proposal, processed_probs
+
+        d = self.d
+        if n > self.max_draft_tokens:
+            raise ConfigError(f"a DFlash draft with block_size {d.config.block_size} proposes at most "
+                              f"{self.max_draft_tokens} tokens, not {n}")
+        B, dev = self.mask.shape[0], self.mask.device
+        start = self.mask.long().sum(-1)  # [B] position of each row's pending token
+        pos = start[:, None] + torch.arange(n + 1, device=dev)  # [B, n+1]
+        block = torch.full((B, n + 1), d.config.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = torch.tensor([s[-1] for s in sequences], device=dev)
+        allowed = torch.cat([self.mask[:, None, None, :].expand(-1, 1, n + 1, -1),
+                             torch.ones(B, 1, n + 1, n + 1, dtype=torch.bool, device=dev)], -1)
+        logits = d.logits(d.blocks(block, pos, self.kv, allowed)[:, 1:])  # [B, n, Vd]
+        if self.draft_sampling == "probabilistic" and not sampling.greedy:
+            full = logits.new_full((B, n, d.config.vocab_size), float("-inf"))
+            full[..., self.target_ids] = logits
+            q = processed_probs(full, sampling)  # [B, n, V]
+            x = torch.multinomial(q.view(B * n, -1), 1, generator=self.generator).view(B, n)
+            return Proposal(x, q)
+        return Proposal(self.target_ids[logits.argmax(-1)])
+
+
+Proposer = DFlashProposer
+
+
+def choose_mask_token(counts: torch.Tensor, special_ids) -> int:
+    """The mask token: the highest id whose embedding row the training data never uses
+    (count 0) and that is not a special token. Never a silent fallback to pad/eos."""
+    from trainer.errors import DataError
+
+    unused = (counts == 0).clone()
+    for i in special_ids:
+        if 0 <= i < unused.numel():
+            unused[i] = False
+    free = unused.nonzero().flatten()
+    if free.numel() == 0:
+        raise DataError("every token id occurs in the training data: no unused id for the DFlash mask token; "
+                        "set draft.mask_token_id explicitly")
+    return int(free[-1])
+
+
+__all__ = ["Config", "Draft", "Proposer", "default_layer_ids", "training_step", "target_labels", "choose_mask_token"]
