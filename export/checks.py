@@ -83,11 +83,12 @@ def make_probe(src_export: Path, out: Path, token: int) -> None:
     formats.write_manifest(out, {**body, "draft": d, "probe_token": token})
 
 
-def vllm_parameter_names(name: str, num_target_layers: int) -> str | None:
-    """Our export's tensor name -> the draft parameter vLLM loads it into (its runtime
-    name): `model.` prefix, draft layer i at model.layers.{L_target + i}, q/k/v fused into
-    qkv_proj and gate/up into gate_up_proj, d2t -> draft_id_to_target_id; None for t2d
-    (vLLM skips it). Follows vLLM 0.32's qwen3_dflash.py load_weights and its stacked mapper."""
+def vllm_parameter_names(name: str) -> str | None:
+    """Our export's tensor name -> the draft parameter vLLM loads it into (its module
+    path; the quantization prefix model.layers.{L_target + i} is another name):
+    `model.` prefix, q/k/v fused into qkv_proj and gate/up into gate_up_proj, d2t ->
+    draft_id_to_target_id; None for t2d (vLLM skips it). Follows vLLM 0.32's
+    qwen3_dflash.py load_weights and its stacked mapper."""
     import re
 
     if name == "t2d":
@@ -96,17 +97,16 @@ def vllm_parameter_names(name: str, num_target_layers: int) -> str | None:
         return "draft_id_to_target_id"
     if name.startswith("lm_head."):
         return name
-    name = re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + num_target_layers}.", name)
     name = re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", name)
     name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
     return "model." + name
 
 
-def missing_in_vllm(export_tensors: list[str], loaded: list[dict], num_target_layers: int) -> list[str]:
+def missing_in_vllm(export_tensors: list[str], loaded: list[dict]) -> list[str]:
     """vLLM draft parameters that no tensor of the export fills. vLLM's DFlash loader does not
     report them: a missing norm silently stays at ones. Shared parameters (the target's
     embedding and, without a head of its own, LM head) and FP8 scales are not expected."""
-    filled = {vllm_parameter_names(n, num_target_layers) for n in export_tensors}
+    filled = {vllm_parameter_names(n) for n in export_tensors}
     shared = ("model.embed_tokens.", "model.mask_embedding")
     own_head = any(n.startswith("lm_head.") for n in export_tensors)
     return sorted(p["name"] for p in loaded

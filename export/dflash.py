@@ -48,11 +48,17 @@ def key_map(fmt: str, d: dict) -> dict[str, str]:
     return {k: k for k in tensors(d)}
 
 
-def keep_bf16(quantize_fc: bool, d: dict) -> dict[str, str]:
+def keep_bf16(d: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> dict[str, str]:
     """{file/Quark name: vLLM runtime name} of the layers that stay BF16 in an FP8 export
-    (lm_head only where the draft has its own: otherwise it is the target's, not in the file)."""
+    (lm_head only where the draft has its own: otherwise it is the target's, not in the file).
+    q/k/v stay BF16 together or not at all (vLLM fuses them); vLLM 0.32 then projects the
+    context through the raw BF16 weight instead of the FP8 quant method."""
     own_head = d.get("draft_vocab_size") is not None
-    return {**(KEEP_BF16 if own_head else {}), **({} if quantize_fc else KEEP_BF16_UNLESS_ASKED)}
+    keep = {**(KEEP_BF16 if own_head else {}), **({} if quantize_fc else KEEP_BF16_UNLESS_ASKED)}
+    if not quantize_qkv:
+        keep.update({f"layers.{i}.self_attn.{p}_proj": f"model.layers.{i}.self_attn.{p}_proj"
+                     for i in range(d["num_hidden_layers"]) for p in "qkv"})
+    return keep
 
 
 def target_layer_ids(d: dict) -> list[int]:

@@ -58,9 +58,13 @@ def key_map(fmt: str, d: dict | None = None) -> dict[str, str]:
     raise DraftsmithError(f"unknown EAGLE-3 export format '{fmt}'; use one of {', '.join(FORMATS)}")
 
 
-def keep_bf16(quantize_fc: bool, d: dict | None = None) -> dict[str, str]:
-    """{file/Quark name: vLLM runtime name} of the layers that stay BF16 in an FP8 export."""
-    return {**KEEP_BF16, **({} if quantize_fc else KEEP_BF16_UNLESS_ASKED)}
+def keep_bf16(d: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> dict[str, str]:
+    """{file/Quark name: vLLM runtime name} of the layers that stay BF16 in an FP8 export.
+    The draft layer runs as model.layers.{L_target} (any index: export/quark.py generalizes it)."""
+    keep = {**KEEP_BF16, **({} if quantize_fc else KEEP_BF16_UNLESS_ASKED)}
+    if not quantize_qkv:  # together or not at all: vLLM fuses them into qkv_proj
+        keep.update({f"midlayer.self_attn.{p}_proj": f"model.layers.0.self_attn.{p}_proj" for p in "qkv"})
+    return keep
 
 
 def llama_layer_config(d: dict, target, dtype: str) -> dict:

@@ -38,11 +38,18 @@ QUARK_VERSION = "0.13"  # pinned in pyproject.toml; file-to-file and the exclude
 SCHEMES = ("ptpc_fp8",)
 
 
-def vllm_exclude(names: list[str]) -> list[str]:
-    """Quark's module names -> `re:` patterns that match vLLM's runtime names of the same
-    layers (the exporter's `keep_bf16` values: EAGLE-3's `fc` runs as `model.fc`, `lm_head`
-    as `lm_head`); anchored so `fc` does not match a future `*_fc`."""
-    return [f"re:^(.*\\.)?{name.replace('.', chr(92) + '.')}$" for name in names]
+def vllm_exclude(runtime_names: list[str]) -> list[str]:
+    """vLLM runtime names of the layers kept BF16 (the exporter's `keep_bf16` values, e.g.
+    EAGLE-3's `fc` runs as `model.fc`) -> anchored `re:` patterns. A draft layer index is
+    generalized (`layers.N.` -> any N): vLLM builds draft layers after the target's
+    (model.layers.{L_target + i}) and every draft layer is treated alike. For a fused
+    layer vLLM matches each shard's name (q_proj, k_proj, v_proj of qkv_proj:
+    quark/utils.py should_ignore_layer), so q/k/v are kept together."""
+    out = []
+    for name in runtime_names:
+        pattern = re.sub(r"layers\\\.\d+\\\.", r"layers\\.\\d+\\.", re.escape(name))
+        out.append(f"re:^(.*\\.)?{pattern}$")
+    return sorted(set(out))
 
 
 def quantization_scheme(scheme: str):
@@ -77,7 +84,7 @@ def quantize_fp8(bf16_dir: Path, out_dir: Path, keep_bf16: dict[str, str], schem
     if not qcfg or qcfg.get("quant_method") != "quark" or "export" not in qcfg:
         raise DraftsmithError(f"Quark wrote no usable quantization_config into {cfg_path} "
                               "(vLLM needs quant_method 'quark' and an 'export' section)")
-    qcfg["exclude"] = rewrite_exclude(qcfg.get("exclude", []), excluded)
+    qcfg["exclude"] = rewrite_exclude(qcfg.get("exclude", []), keep_bf16)
     unmatched = [rt for rt in keep_bf16.values() if not any(re.fullmatch(p[3:], rt) for p in qcfg["exclude"])]
     if unmatched:  # the patterns must match what vLLM will call these layers
         raise DraftsmithError(f"the rewritten exclude {qcfg['exclude']} does not match vLLM runtime names {unmatched}")
@@ -87,12 +94,13 @@ def quantize_fp8(bf16_dir: Path, out_dir: Path, keep_bf16: dict[str, str], schem
     return qcfg
 
 
-def rewrite_exclude(written: list[str], asked: list[str]) -> list[str]:
-    """Quark's exact-name `exclude` -> vLLM `re:` patterns. Every name we asked to keep in
-    BF16 must be there (Quark drops `re:` entries and names that matched nothing)."""
+def rewrite_exclude(written: list[str], asked: dict[str, str]) -> list[str]:
+    """Quark's exact-name `exclude` -> vLLM `re:` patterns of the runtime names. Every name
+    we asked to keep in BF16 must be there (Quark drops `re:` entries and names that
+    matched nothing)."""
     plain = [n for n in written if not n.startswith("re:")]
     missing = sorted(set(asked) - set(plain))
     if missing:
         raise DraftsmithError(f"Quark did not record {missing} as excluded; refusing to write an FP8 draft "
                               "whose BF16 layers vLLM would build as FP8")
-    return vllm_exclude(sorted(set(plain)))
+    return vllm_exclude(sorted(set(asked.values())))

@@ -5,7 +5,7 @@ fc), and gate the FP8 draft on its acceptance.
     draftsmith export --draft runs/demo/eagle3 --output-dir runs/demo/export-bf16
     draftsmith export --draft runs/demo/eagle3 --output-dir runs/demo/export-fp8 --quantize fp8
     draftsmith export --draft DIR --output-dir OUT --format speculators --overwrite
-    flags: --target --format vllm|speculators --dtype --quantize none|fp8 --quantize-fc
+    flags: --target --format vllm|speculators --dtype --quantize none|fp8 --quantize-fc --keep-qkv-bf16
            --num-draft-tokens N --no-gate --max-tau-drop F --overwrite; any field as key=value
 
 The FP8 gate decodes held-out prompts (greedy) with the in-tree decoder twice, with the
@@ -29,7 +29,8 @@ FLAGS = {"--draft": "draft", "--output-dir": "output_dir", "--target": "target",
          "--dtype": "dtype", "--quantize": "quantize", "--fp8-scheme": "fp8_scheme",
          "--num-draft-tokens": "num_draft_tokens", "--gate-dataset": "gate_dataset",
          "--gate-prompts": "gate_prompts", "--max-tau-drop": "max_tau_drop"}
-SWITCHES = {"--overwrite": "overwrite=true", "--quantize-fc": "quantize_fc=true", "--no-gate": "gate=false"}
+SWITCHES = {"--overwrite": "overwrite=true", "--quantize-fc": "quantize_fc=true", "--no-gate": "gate=false",
+            "--keep-qkv-bf16": "quantize_qkv=false"}
 
 
 def run(cfg: ExportConfig, argv=None) -> dict:
@@ -75,8 +76,9 @@ def export_fp8(cfg: ExportConfig, staging: Path, draft_cfg: dict, state: dict, t
         bf16.mkdir()
         bf16_manifest = formats.write_export(bf16, draft_cfg, state, target, "vllm", "bfloat16",
                                              cfg.num_draft_tokens, draft_dir, extra)
-        keep = formats.exporter(draft_cfg["algorithm"]).keep_bf16(cfg.quantize_fc, draft_cfg["draft"])
-        print(f"quantizing with AMD Quark ({cfg.fp8_scheme}; {', '.join(sorted(keep))} stay BF16)")
+        keep = formats.exporter(draft_cfg["algorithm"]).keep_bf16(draft_cfg["draft"], cfg.quantize_fc,
+                                                                  cfg.quantize_qkv)
+        print(f"quantizing with AMD Quark ({cfg.fp8_scheme}; kept in BF16: {', '.join(sorted(keep))})")
         qcfg = quark.quantize_fp8(bf16, staging, keep, cfg.fp8_scheme)
         (staging / formats.EXPORT_MANIFEST).unlink(missing_ok=True)  # Quark copied the BF16 one
         (staging / "model.safetensors.index.json").unlink(missing_ok=True)  # one file: the index is noise
@@ -84,7 +86,8 @@ def export_fp8(cfg: ExportConfig, staging: Path, draft_cfg: dict, state: dict, t
         fp8_bytes = (staging / formats.WEIGHTS).stat().st_size
         manifest = {**{k: v for k, v in bf16_manifest.items() if k != "files"},
                     "quantization": {"tool": "amd-quark", "scheme": cfg.fp8_scheme, "exclude": qcfg["exclude"],
-                                     "keep_bf16": sorted(keep), "quantize_fc": cfg.quantize_fc},
+                                     "keep_bf16": sorted(keep), "quantize_fc": cfg.quantize_fc,
+                                     "quantize_qkv": cfg.quantize_qkv},
                     "size": {"bf16_bytes": bf16_bytes, "fp8_bytes": fp8_bytes, "ratio": fp8_bytes / bf16_bytes}}
         if cfg.gate:
             manifest["gate"] = fp8_gate(cfg, bf16, staging, manifest, target)

@@ -268,6 +268,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     report = {"steps": progress.step, "history": history, "final": history[-1] if history else {},
               "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
               "algorithm": cfg.algorithm, "effective": effective, "total_steps": total_steps,
+              "tokens": tokens,  # non-padding tokens of the samples trained on, all processes
               "seconds": time.perf_counter() - t0}
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards; every rank must call it
     if accelerator.is_main_process:

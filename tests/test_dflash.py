@@ -210,3 +210,17 @@ def test_bf16_export_is_vllms_dflash_layout_and_reloads(trained, tmp_path, tiny_
         export_recipe.main(["--draft", str(out), "--target", str(tiny_target_dir), "--output-dir",
                             str(tmp_path / "e2"), "--num-draft-tokens", "4"])
     assert not (tmp_path / "e2").exists()
+
+
+def test_missing_weights_are_found_by_name():
+    """vLLM's DFlash loader leaves an unfilled parameter at its init without a word: the
+    check maps export names to vLLM's module paths (fused q/k/v and gate/up) and names it."""
+    from export import checks
+
+    export = ["fc.weight", "norm.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+              "layers.0.self_attn.v_proj.weight", "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "t2d"]
+    loaded = [{"name": n} for n in ("model.fc.weight", "model.norm.weight", "model.hidden_norm.weight",
+                                    "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight",
+                                    "model.embed_tokens.weight", "lm_head.weight",
+                                    "model.layers.0.self_attn.qkv_proj.weight_scale")]
+    assert checks.missing_in_vllm(export, loaded) == ["model.hidden_norm.weight"]

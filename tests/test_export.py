@@ -151,18 +151,23 @@ def test_vllm_exclude_patterns_match_runtime_names():
 
     from export import eagle3
 
-    keep = eagle3.keep_bf16(quantize_fc=False)
-    assert keep == {"fc": "model.fc", "lm_head": "lm_head"} and eagle3.keep_bf16(quantize_fc=True) == {"lm_head": "lm_head"}
-    pats = quark.vllm_exclude(sorted(keep))
+    keep = eagle3.keep_bf16({}, quantize_fc=False)
+    assert keep == {"fc": "model.fc", "lm_head": "lm_head"} and eagle3.keep_bf16({}, quantize_fc=True) == {"lm_head": "lm_head"}
+    pats = quark.vllm_exclude(sorted(keep.values()))
 
     def ignored(name):  # vLLM: exact name, or re.match for "re:" entries (quantization/utils/config_utils.py)
         return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in pats)
 
-    assert all(ignored(runtime) for runtime in keep.values()) and ignored("fc")
+    assert all(ignored(runtime) for runtime in keep.values())
     assert not ignored("model.layers.4.self_attn.qkv_proj") and not ignored("model.layers.4.mlp.gate_up_proj")
     assert not ignored("model.layers.4.mlp.down_proj") and not ignored("model.fc_norm")
     with pytest.raises(DraftsmithError, match="did not record"):
-        quark.rewrite_exclude(["lm_head"], ["lm_head", "fc"])
+        quark.rewrite_exclude(["lm_head"], keep)
+    # q/k/v kept BF16: every shard of the fused qkv_proj of any draft layer index, nothing else
+    qkv = quark.vllm_exclude(sorted(eagle3.keep_bf16({}, quantize_qkv=False).values()))
+    for shard in ("q_proj", "k_proj", "v_proj"):
+        assert any(re.match(p[3:], f"model.layers.30.self_attn.{shard}") for p in qkv)
+    assert not any(re.match(p[3:], "model.layers.30.self_attn.o_proj") for p in qkv)
 
 
 @pytest.mark.slow
@@ -178,7 +183,7 @@ def test_fp8_export_with_quark(tmp_path, tiny_draft, tiny_target_dir, tiny_targe
         assert w[name].dtype == torch.bfloat16, name
     q = json.loads((out / "config.json").read_text())["quantization_config"]
     assert q["quant_method"] == "quark" and "export" in q
-    assert q["exclude"] == quark.vllm_exclude(["fc", "lm_head"])  # never Quark's bare names
+    assert q["exclude"] == quark.vllm_exclude(["lm_head", "model.fc"])  # never Quark's bare names
     assert q["global_quant_config"]["input_tensors"]["is_dynamic"] is True
     assert m["quantization"]["scheme"] == "ptpc_fp8" and m["size"]["fp8_bytes"] < m["size"]["bf16_bytes"]
     g = m["gate"]

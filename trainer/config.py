@@ -304,6 +304,7 @@ class ExportConfig:
     quantize: str = "none"  # none | fp8
     fp8_scheme: str = "ptpc_fp8"  # per-channel FP8 weights + dynamic per-token FP8 activations
     quantize_fc: bool = False  # AMD's shipped FP8 drafts keep fc in BF16
+    quantize_qkv: bool = True  # q/k/v FP8 (false: BF16, all layers; see scripts/compare_drafts.py for the measured gate)
     num_draft_tokens: int = 3  # written into the serve command (and speculators_config)
     # FP8 acceptance gate: τ of the FP8 draft vs its BF16 source, in-tree, greedy, held-out prompts.
     gate: bool = True

@@ -29,7 +29,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from trainer import losses
-from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
+from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend, fill_shape_from_target
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
 
@@ -84,17 +84,7 @@ class Eagle3Config:
         return self.ttt_steps
 
     def fill_from_target(self, target_config, aux_layer_ids, draft_vocab_size: int | None = None) -> Eagle3Config:
-        t = target_config
-        for name, value in (("hidden_size", t.hidden_size), ("intermediate_size", t.intermediate_size),
-                            ("num_attention_heads", t.num_attention_heads),
-                            ("num_key_value_heads", getattr(t, "num_key_value_heads", t.num_attention_heads)),
-                            ("head_dim", getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads),
-                            ("rms_norm_eps", t.rms_norm_eps), ("max_position_embeddings", t.max_position_embeddings),
-                            ("rope_parameters", dict(getattr(t, "rope_parameters", None) or
-                                                     {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)})),
-                            ("target_hidden_size", t.hidden_size), ("vocab_size", t.vocab_size)):
-            if getattr(self, name) is None:
-                setattr(self, name, value)
+        fill_shape_from_target(self, target_config)
         if self.aux_layer_ids is None:
             self.aux_layer_ids = list(aux_layer_ids)
         if draft_vocab_size is not None:

@@ -1,0 +1,96 @@
+"""Benchmark: EAGLE-3 vs DFlash on one capture with the same token budget, and DFlash FP8
+with q/k/v in FP8 vs BF16.
+
+    .venv/bin/python scripts/compare_drafts.py --capture runs/cmp/capture --out runs/cmp [--steps 100]
+
+The capture must hold both drafts' layers (`draftsmith capture ... drafts=[eagle3,dflash]`).
+1. Trains an EAGLE-3 (recipes/configs/smollm2-135m/eagle3.yaml) and a DFlash draft
+   (.../dflash.yaml) for the same optimizer steps, batch and max_length on the same
+   samples in the same order: the same tokens (the table states how many).
+2. Evaluates both in-tree (greedy, lossless) on GSM8K and MT-Bench at N = 3 and 7: τ,
+   conditional acceptance per position, and the ratio DFlash/EAGLE-3 of τ.
+3. Exports the DFlash draft FP8 twice (Quark ptpc_fp8): q/k/v FP8 and q/k/v BF16, and
+   prints each FP8 gate (τ FP8 vs BF16, in-tree with FP8 simulated as vLLM computes it).
+The baseline of every ratio is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from recipes import export as export_recipe
+from recipes import train
+from recipes._common import load_proposer
+from trainer.config import ExportConfig, TrainConfig, load_config
+from trainer.data.evalsets import chat_prompt_ids, load_prompts
+from trainer.speculative import measure
+from trainer.target import load_target
+
+CONFIGS = {"eagle3": "recipes/configs/smollm2-135m/eagle3.yaml", "dflash": "recipes/configs/smollm2-135m/dflash.yaml"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--capture", default="runs/cmp/capture")
+    ap.add_argument("--out", default="runs/cmp")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--skip-train", action="store_true", help="reuse the drafts in --out")
+    args = ap.parse_args()
+    out = Path(args.out)
+    common = [f"data={args.capture}", f"max_steps={args.steps}", "epochs=100", "batch_size=1",
+              "gradient_accumulation_steps=1", f"max_length={args.max_length}", "save_every=100000",
+              "log_every=25", "overwrite=true"]
+    reports = {}
+    for name, path in CONFIGS.items():
+        if args.skip_train:
+            reports[name] = json.loads((out / name / "train_report.json").read_text())
+            continue
+        t0 = time.perf_counter()
+        reports[name] = train.run(load_config(TrainConfig, path, [*common, f"output_dir={out / name}"]))
+        print(f"{name}: {train.format_report(reports[name])} ({time.perf_counter() - t0:.0f} s)")
+
+    target = load_target("smollm2-135m-instruct")
+    rows = []
+    for dataset in ("gsm8k", "mtbench"):
+        prompts = chat_prompt_ids(target.tokenizer, load_prompts(dataset, args.prompts))
+        for n in (3, 7):
+            taus = {}
+            for name in CONFIGS:
+                draft, _ = load_proposer(str(out / name), target)
+                s = measure(target, draft, prompts, args.max_new_tokens, n, eos_token_ids=target.eos_token_ids)
+                taus[name] = s.tau
+                rows.append((dataset, n, name, s.tau, s.conditional_acceptance))
+            rows.append((dataset, n, "dflash/eagle3", taus["dflash"] / taus["eagle3"], []))
+
+    print(f"\nSmolLM2-135M-Instruct, one capture ({args.capture}); each draft trained {args.steps} steps x batch 1 "
+          f"(max_length {args.max_length}, the same samples in the same order); in-tree greedy eval, "
+          f"{args.prompts} prompts x {args.max_new_tokens} new tokens; {torch.get_num_threads()} threads")
+    for name, r in reports.items():
+        f = r["final"]
+        print(f"  {name}: {r['steps']} steps, {r.get('tokens', 0):,.0f} tokens, simulated τ {f.get('tau', float('nan')):.2f}, "
+              f"{f.get('tokens_per_s', 0):.0f} training tokens/s")
+    print(f"{'dataset':<9}{'N':>3}  {'draft':<14}{'τ':>7}   conditional acceptance per position")
+    for dataset, n, name, tau, acc in rows:
+        print(f"{dataset:<9}{n:>3}  {name:<14}{tau:>7.3f}   " + " ".join(f"{a:.2f}" for a in acc))
+
+    print("\nDFlash FP8 (Quark ptpc_fp8, fc BF16): q/k/v FP8 vs q/k/v BF16, gate on mtbench, N=3")
+    for quantize_qkv in (True, False):
+        m = export_recipe.run(ExportConfig(draft=str(out / "dflash"), output_dir=str(out / f"dflash-fp8-qkv{int(quantize_qkv)}"),
+                                           quantize="fp8", quantize_qkv=quantize_qkv, num_draft_tokens=3,
+                                           gate_prompts=args.prompts, max_tau_drop=0.99, overwrite=True))
+        g = m["gate"]
+        print(f"  q/k/v {'FP8 ' if quantize_qkv else 'BF16'}: τ {g['tau_fp8']:.3f} vs BF16 draft {g['tau_bf16']:.3f} "
+              f"({g['relative_change']:+.1%}), weights {m['size']['fp8_bytes'] / 1e6:.1f} MB vs "
+              f"{m['size']['bf16_bytes'] / 1e6:.1f} MB BF16")
+
+
+if __name__ == "__main__":
+    main()
