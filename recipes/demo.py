@@ -5,6 +5,7 @@ both with the in-tree decoder -> a table and the `vllm serve` command for the re
 
     make demo                      (sets up .venv, then runs this)
     python -m recipes.demo --config recipes/configs/smollm2-135m/demo.yaml [key=value ...]
+    draftsmith demo [key=value ...]  (the same config: it is the default)
 
 An earlier demo's output_dir is never replaced unless overwrite=true is given.
 """
@@ -105,8 +106,15 @@ def format_table(results: dict, trained: dict) -> str:
     return "\n".join(rows)
 
 
+# `draftsmith demo` without --config runs what `make demo` runs: the packaged demo config.
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2-135m" / "demo.yaml"
+
+
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", str(DEFAULT_CONFIG), *argv]
     cfg = parse_args(DemoConfig, argv, __doc__.splitlines()[0])
     run(cfg, argv)
 

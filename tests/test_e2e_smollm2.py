@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from recipes import demo
+from tests.conftest import REPO
 from trainer.data.shards import CaptureReader
 
 pytestmark = pytest.mark.slow
+DEMO = REPO / "recipes" / "configs" / "smollm2-135m" / "demo.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,8 @@ def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        demo.main([f"output_dir={out}", "prepare.max_records=100", "prepare.max_length=1024",
+        # the config `make demo` runs, on a smaller budget
+        demo.main(["--config", str(DEMO), f"output_dir={out}", "prepare.max_records=100", "prepare.max_length=1024",
                    "capture.max_samples=16", "capture.samples_per_shard=8", "train.max_steps=4",
                    "train.max_length=512", "eval_prompts=2", "eval_max_new_tokens=12", "gate_prompts=2"])
     (out / "demo.out").write_text(printed.getvalue())
