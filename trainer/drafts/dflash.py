@@ -196,8 +196,12 @@ class DFlashDraft(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [..., H] -> [..., Vd] (V with the target's head)."""
-        h = self.norm(h)
-        return self.lm_head(h) if self.config.draft_vocab_size is not None else self._target[1](h)
+        return self.head(self.norm(h))
+
+    def head(self, hn: torch.Tensor) -> torch.Tensor:
+        """The LM head on normed states: [..., H] -> [..., Vd]: the draft's own over a reduced
+        vocabulary, else the target's."""
+        return self.lm_head(hn) if self.config.draft_vocab_size is not None else self._target[1](hn)
 
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's aux states [B, S, L*Ht] -> context features [B, S, H]."""
@@ -285,51 +289,85 @@ def training_step(draft: DFlashDraft, batch: dict, labels: dict) -> StepMetrics:
     normalized by the weights' sum.
     """
     cfg = draft.config
-    ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
-    anchors, valid = labels["anchors"], labels["valid"]
-    B, T = ids.shape
-    n, Bk = anchors.shape[1], cfg.block_size
-    ctx = draft.context(batch["aux_hidden_states"])  # [B, T, H]
-    ctx_pos = torch.arange(T, device=ids.device).expand(B, T)
-    ctx_kv = draft.context_kv(ctx, ctx_pos)
-    block_ids, pos, allowed = block_inputs(ids, anchors, valid, T, Bk, cfg.mask_token_id)
-    h = draft.blocks(block_ids, pos, ctx_kv, allowed).view(B, n, Bk, -1)[:, :, 1:]  # [B, n, Bk-1, H]
-
-    # what slot k (1..Bk-1) must predict, and where supervision holds
-    at = (anchors[..., None] + torch.arange(1, Bk, device=ids.device)).clamp(max=T - 1)  # [B, n, Bk-1]
-    flat = at.reshape(B, -1)
-    in_span = (loss_mask.gather(1, flat) .bool() & attn.gather(1, flat).bool()).view(B, n, Bk - 1)
-    in_span &= (anchors[..., None] + torch.arange(1, Bk, device=ids.device)) < T
-    live = in_span.long().cumprod(-1).bool() & valid[..., None]  # stops at the first slot outside
-    want = (ids.gather(1, flat) if cfg.labels == "data" else labels["target_ids"].gather(1, flat - 1)).view(B, n, -1)
-    greedy = labels["target_ids"].gather(1, flat - 1).view(B, n, -1)  # what greedy verification accepts
-    w = torch.exp(-torch.arange(Bk - 1, device=ids.device, dtype=torch.float32) / cfg.gamma)  # [Bk-1]
-    weights = w * live  # [B, n, Bk-1]
+    h = block_states(draft, batch, labels["anchors"], labels["valid"])[:, :, 1:]  # [B, n, Bk-1, H]
+    at, live = slot_supervision(batch, labels["anchors"], labels["valid"], first=1, K=cfg.block_size - 1)
+    greedy = labels["target_ids"].gather(1, (at - 1).flatten(1)).view_as(at)  # what greedy verification accepts
+    want = batch["input_ids"].gather(1, at.flatten(1)).view_as(at) if cfg.labels == "data" else greedy
 
     rows = live.reshape(-1)
     logits = draft.logits(h.reshape(-1, h.shape[-1])[rows])  # [R, Vd] only supervised slots
-    target = want.reshape(-1)[rows]
-    t2d = draft.t2d if cfg.draft_vocab_size is not None else None
-    if t2d is not None:  # a target id outside the reduced vocabulary cannot be predicted: no loss there
-        inv = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=ids.device)
-        inv[draft.draft_to_target()] = torch.arange(cfg.draft_vocab_size, device=ids.device)
-        target = inv[target]
+    target = to_draft_ids(draft, want.reshape(-1)[rows])
     ce = F.cross_entropy(logits.float(), target.clamp(min=0), reduction="none") * (target >= 0)
-    # per-sample weighted mean, then the mean over samples: a batch of B equals B accumulated batches of 1
-    row_of = torch.arange(B, device=ids.device).repeat_interleave(n * (Bk - 1))[rows]
-    per_sample = torch.zeros(B, device=ids.device).index_add(0, row_of, ce * weights.reshape(-1)[rows])
-    per_sample = per_sample / weights.sum((1, 2)).clamp(min=1e-6)
-    loss = per_sample.sum() / B
+    loss = weighted_mean(ce, live, cfg.gamma)
+    return block_metrics(loss, draft.draft_to_target()[logits.argmax(-1)], greedy, live, ce)
 
-    with torch.no_grad():
-        pred = torch.zeros_like(want)
-        pred.view(-1)[rows] = draft.draft_to_target()[logits.argmax(-1)]
-        hit = (pred == greedy) & live
-        run = hit.long().cumprod(-1).bool()  # slots 1..k all accepted
-        before = torch.cat([live[..., :1], run[..., :-1] & live[..., 1:]], -1)  # slots < k accepted, k live
-        position_loss = torch.zeros(Bk - 1, device=ids.device)
-        position_loss.index_add_(0, torch.arange(Bk - 1, device=ids.device).repeat(B * n)[rows], ce.detach())
-        position_loss = position_loss / live.sum((0, 1)).clamp(min=1)
+
+def block_states(draft: DFlashDraft, batch: dict, anchors: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The packed blocks of a batch through the draft: the last layer's output [B, n, Bk, H]
+    for every slot of every anchor's block (context: the target's states before the anchor)."""
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    ctx = draft.context(batch["aux_hidden_states"])  # [B, T, H]
+    ctx_kv = draft.context_kv(ctx, torch.arange(T, device=ids.device).expand(B, T))
+    Bk = draft.config.block_size
+    block_ids, pos, allowed = block_inputs(ids, anchors, valid, T, Bk, draft.config.mask_token_id)
+    return draft.blocks(block_ids, pos, ctx_kv, allowed).view(B, anchors.shape[1], Bk, -1)
+
+
+def slot_supervision(batch: dict, anchors: torch.Tensor, valid: torch.Tensor, first: int,
+                     K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where K supervised slots point and where supervision holds. Slot j predicts the token
+    at anchor + first + j. Returns at [B, n, K] (clamped to T-1) and live [B, n, K]: that
+    token is inside the sequence and the assistant span, and so are all before it in the block."""
+    loss_mask, attn = batch["loss_mask"], batch["attention_mask"]
+    T = loss_mask.shape[1]
+    raw = anchors[..., None] + first + torch.arange(K, device=anchors.device)  # [B, n, K]
+    at = raw.clamp(max=T - 1)
+    flat = at.flatten(1)
+    in_span = (loss_mask.gather(1, flat).bool() & attn.gather(1, flat).bool()).view_as(at) & (raw < T)
+    return at, in_span.long().cumprod(-1).bool() & valid[..., None]  # stops at the first slot outside
+
+
+def to_draft_ids(draft, target_ids: torch.Tensor) -> torch.Tensor:
+    """Target ids -> draft-vocabulary ids, -1 where the reduced vocabulary lacks the token
+    (no loss there: it cannot be predicted); unchanged with the target's full head."""
+    cfg = draft.config
+    if cfg.draft_vocab_size is None:
+        return target_ids
+    inv = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=target_ids.device)
+    inv[draft.draft_to_target()] = torch.arange(cfg.draft_vocab_size, device=target_ids.device)
+    return inv[target_ids]
+
+
+def weighted_mean(row_loss: torch.Tensor, live: torch.Tensor, gamma: float) -> torch.Tensor:
+    """The position-decayed loss: slot j of live [B, n, K] weighs exp(-j/gamma); each sample's
+    weighted mean, then the mean over samples (a batch of B equals B accumulated batches of
+    1). row_loss [R]: the loss at the live slots, in order."""
+    B, n, K = live.shape
+    w = torch.exp(-torch.arange(K, device=live.device, dtype=torch.float32) / gamma)  # [K]
+    weights = w * live  # [B, n, K]
+    rows = live.reshape(-1)
+    row_of = torch.arange(B, device=live.device).repeat_interleave(n * K)[rows]
+    per_sample = torch.zeros(B, device=live.device).index_add(0, row_of, row_loss * weights.reshape(-1)[rows])
+    return (per_sample / weights.sum((1, 2)).clamp(min=1e-6)).sum() / B
+
+
+@torch.no_grad()
+def block_metrics(loss: torch.Tensor, pred_rows: torch.Tensor, greedy: torch.Tensor, live: torch.Tensor,
+                  row_loss: torch.Tensor) -> StepMetrics:
+    """StepMetrics of a block draft. greedy, live [B, n, K] (what greedy verification accepts at
+    each slot; where supervision holds); pred_rows, row_loss [R]: the draft's target-id argmax
+    and its loss at the live slots, in order. Slot k counts when slots < k were all accepted."""
+    K = live.shape[-1]
+    rows = live.reshape(-1)
+    pred = torch.zeros_like(greedy)
+    pred.view(-1)[rows] = pred_rows
+    hit = (pred == greedy) & live
+    run = hit.long().cumprod(-1).bool()  # slots 0..k all accepted
+    before = torch.cat([live[..., :1], run[..., :-1] & live[..., 1:]], -1)  # slots < k accepted, k live
+    slot = torch.arange(K, device=live.device).repeat(live.numel() // K)[rows]
+    position_loss = torch.zeros(K, device=live.device).index_add_(0, slot, row_loss.detach().float())
+    position_loss = position_loss / live.sum((0, 1)).clamp(min=1)
     return StepMetrics(loss=loss, position_loss=position_loss, correct=(run & before).sum((0, 1)),
                        count=before.sum((0, 1)))
 
@@ -387,6 +425,20 @@ class DFlashProposer:
         self._extend(aux, keep)
 
     @torch.no_grad()
+    def block_hidden(self, sequences, q: int) -> torch.Tensor:
+        """One draft forward over the block [pending token, MASK x (q-1)] at the pending token's
+        position onward, attending the committed context -> the last layer's output [B, q, H]."""
+        d = self.d
+        B, dev = self.mask.shape[0], self.mask.device
+        start = self.mask.long().sum(-1)  # [B] position of each row's pending token
+        pos = start[:, None] + torch.arange(q, device=dev)  # [B, q]
+        block = torch.full((B, q), d.config.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = torch.tensor([s[-1] for s in sequences], device=dev)
+        allowed = torch.cat([self.mask[:, None, None, :].expand(-1, 1, q, -1),
+                             torch.ones(B, 1, q, q, dtype=torch.bool, device=dev)], -1)
+        return d.blocks(block, pos, self.kv, allowed)
+
+    @torch.no_grad()
     def propose(self, sequences, n: int, sampling):
         from trainer.speculative import Proposal, processed_probs
 
@@ -394,14 +446,8 @@ class DFlashProposer:
         if n > self.max_draft_tokens:
             raise ConfigError(f"a DFlash draft with block_size {d.config.block_size} proposes at most "
                               f"{self.max_draft_tokens} tokens, not {n}")
-        B, dev = self.mask.shape[0], self.mask.device
-        start = self.mask.long().sum(-1)  # [B] position of each row's pending token
-        pos = start[:, None] + torch.arange(n + 1, device=dev)  # [B, n+1]
-        block = torch.full((B, n + 1), d.config.mask_token_id, dtype=torch.long, device=dev)
-        block[:, 0] = torch.tensor([s[-1] for s in sequences], device=dev)
-        allowed = torch.cat([self.mask[:, None, None, :].expand(-1, 1, n + 1, -1),
-                             torch.ones(B, 1, n + 1, n + 1, dtype=torch.bool, device=dev)], -1)
-        logits = d.logits(d.blocks(block, pos, self.kv, allowed)[:, 1:])  # [B, n, Vd]
+        B = self.mask.shape[0]
+        logits = d.logits(self.block_hidden(sequences, n + 1)[:, 1:])  # [B, n, Vd]
         if self.draft_sampling == "probabilistic" and not sampling.greedy:
             full = logits.new_full((B, n, d.config.vocab_size), float("-inf"))
             full[..., self.target_ids] = logits
