@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from export import dflash, eagle3
+from export import dflash, dspark, eagle3
 from trainer.drafts import build
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json
@@ -28,7 +28,7 @@ from trainer.target import LAYER_ID_CONVENTION, sha256_file
 EXPORT_MANIFEST = "draftsmith_export.json"
 WEIGHTS = "model.safetensors"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-EXPORTERS = {"eagle3": eagle3, "dflash": dflash}  # algorithm (trainer.drafts.DRAFTS key) -> its exporter
+EXPORTERS = {"eagle3": eagle3, "dflash": dflash, "dspark": dspark}  # algorithm (trainer.drafts.DRAFTS key) -> its exporter
 
 
 def exporter(algorithm: str):

@@ -127,7 +127,7 @@ def format_summary(m: dict) -> str:
     lines = [f"export: {m['algorithm']} draft for {m['target']['name']}, format {m['format']}, "
              f"{'FP8 ' + m['quantization']['scheme'] if m.get('quantization') else m['dtype']}",
              f"  aux layer ids {m['draft']['aux_layer_ids']} ({m['layer_id_convention']}), draft vocab "
-             f"{m['draft']['draft_vocab_size']}, files: " + ", ".join(f"{k} ({v['bytes'] / 1e6:.1f} MB)"
+             f"{m['draft'].get('draft_vocab_size') or 'the target head'}, files: " + ", ".join(f"{k} ({v['bytes'] / 1e6:.1f} MB)"
                                                                    for k, v in m["files"].items()
                                                                    if v["bytes"] > 100_000)]
     if m.get("size"):

@@ -278,6 +278,10 @@ class EvalConfig:
     # (vllm/config/speculative.py): "greedy" (its default: argmax proposals, one-hot q in
     # rejection sampling) or "probabilistic" (x ~ q, q in the ratio test).
     draft_sampling: str = "greedy"
+    # DSpark drafts only: the Markov correction for the top-k base candidates alone (vLLM's
+    # `dspark_draft_topk`; null: every token), and the ablation run without the Markov head.
+    draft_topk: int | None = None
+    markov_ablation: bool = False
     batch_size: int = 1
     output_dir: str = "runs/eval"
     seed: int = 0
@@ -290,6 +294,8 @@ class EvalConfig:
             raise ConfigError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
         if self.draft_sampling not in ("greedy", "probabilistic"):
             raise ConfigError(f"draft_sampling '{self.draft_sampling}' is not one of greedy, probabilistic")
+        if self.draft_topk is not None and self.draft_topk < 1:
+            raise ConfigError("draft_topk must be >= 1 (or null: the Markov correction for every token)")
 
 
 @dataclass

@@ -14,14 +14,15 @@ The draft contract: each module under trainer/drafts/ provides
                                 dict); `set_vocab(d2t, t2d)`, `draft_to_target()`
     build(cfg, target)          the Draft for a target
     fill_from_data(cfg, counts, special_ids)
-                                config fields taken from the training data (DFlash: the mask token)
+                                config fields taken from the training data (DFlash, DSpark: the mask token)
     target_labels(target, batch, draft) -> dict
                                 the labels from the captured states, no grad
     training_step(draft, batch, labels) -> trainer.metrics.StepMetrics
                                 loss and per-position correct/count
-    Proposer(draft, draft_sampling, seed)
+    Proposer(draft, draft_sampling, seed, **options)
                                 the in-tree decoder's draft (trainer.speculative.Draft protocol);
-                                `max_draft_tokens` is the largest N it supports (None: any)
+                                `max_draft_tokens` is the largest N it supports (None: any);
+                                `OPTIONS` names the keyword options it takes (DSpark: markov, draft_topk)
 
 Serialization is not a draft's business: export/ holds one exporter per algorithm under
 the same registry name (file layouts, config.json, what stays BF16 under Quark, the probe).
@@ -34,10 +35,10 @@ from pathlib import Path
 
 from torch import nn
 
-from trainer.drafts import dflash, eagle3
+from trainer.drafts import dflash, dspark, eagle3
 from trainer.errors import ConfigError, DraftsmithError
 
-DRAFTS = {"eagle3": eagle3, "dflash": dflash}
+DRAFTS = {"eagle3": eagle3, "dflash": dflash, "dspark": dspark}
 
 
 def get(algorithm: str):

@@ -1,0 +1,338 @@
+"""DSpark draft: the DFlash backbone in which every block slot predicts, plus a sequential
+Markov head (and an optional confidence head); config, the served module (vLLM
+`Qwen3DSparkModel` layout), its training step and its in-tree proposer.
+
+Sources: DSpark (DeepSeek, 2026: a parallel draft backbone with a cheap sequential
+correction so that neighbouring draft tokens agree); served layout
+vllm/model_executor/models/qwen3_dspark.py and vllm/v1/worker/gpu/spec_decode/dspark/
+speculator.py (vLLM 0.32); the loss from DeepSeek's DeepSpec training code.
+
+What vLLM computes, and so what this module computes:
+    backbone  DFlash's (trainer/drafts/dflash.py): context keys/values from the target's
+              states before the anchor, the block [anchor, MASK x (B-1)] at positions p..p+B-1,
+              bidirectional inside the block ("sample from anchor": N = B queries, not 1 + N)
+    base      U_k = lm_head(norm(h_k)), slot k (0-based) predicting the token at p+k+1
+    Markov    logits_k = U_k + W2 W1[x_{k-1}], x_{-1} = the anchor, x_k the token drafted at
+              slot k: applied left to right after the one backbone pass. W1 = Embedding(V, r)
+              over target ids, W2 = Linear(r -> Vd, no bias). The corrected softmaxes are the q
+              of lossless rejection sampling.
+    confidence  c_k = sigmoid(w . [norm(h_k) ; W1[x_{k-1}]] + b) (in fp32), the predicted
+              probability that slot k is accepted; vLLM uses it for adaptive verification.
+N = num_speculative_tokens <= B.
+
+Module layout (a one-to-one key map on export: `backbone.` is dropped, the rest are vLLM's
+names): backbone.{fc, hidden_norm, layers.*, norm, [lm_head, d2t, t2d]},
+markov_head.markov_w1 [V, r], markov_head.markov_w2 [Vd, r], confidence_head.proj [1, H(+r)].
+The token embedding and, by default, the LM head are the target's, frozen, not saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.drafts import dflash
+from trainer.errors import ConfigError
+from trainer.metrics import StepMetrics
+
+MARKOV_HEAD_TYPES = ("vanilla",)  # the only head vLLM 0.32 builds (qwen3_dspark.py DSparkMarkovHead)
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """DFlash's: 5 target layers spread over output-of-layer ids 1..L-3 (entering-layer ids
+    here), so that one capture serves DFlash and DSpark drafts alike."""
+    return dflash.default_layer_ids(num_layers)
+
+
+@dataclass
+class DSparkConfig(dflash.DFlashConfig):
+    """The DFlash fields (shape, layer ids, mask token, anchors) with DSpark's defaults, plus
+    the Markov and confidence heads and the DeepSpec loss mix."""
+
+    block_size: int = 7  # B: [anchor, MASK x (B-1)], every slot predicts (DSpark's Qwen3-8B: 7)
+    gamma: float = 4.0  # slot k (0-based) weighs exp(-k/gamma) (DeepSpec)
+    labels: str = "data"  # CE against the data token (DeepSpec); "target": the target's greedy token
+    markov_rank: int = 256  # r
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True  # the head reads [norm(h_k); W1[x_{k-1}]]
+    # DeepSpec's loss: ce_weight * CE + tv_weight * |p_draft - p_target|_1 + confidence_weight *
+    # BCE(c_k, 1 - |.|_1 / 2). Its "TV" term is the full L1 norm (= 2 TV); 1 - TV is the
+    # probability that rejection sampling accepts a draw from p_draft.
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    confidence_weight: float = 1.0
+    # Rows ([Vd] logits) of the loss alive at once; more are computed in chunks whose
+    # logits are recomputed in backward (bounded memory for a large vocabulary). 0: no chunks.
+    loss_chunk_rows: int = 1024
+
+    def validate(self) -> None:
+        super().validate()
+        if self.markov_rank < 1:
+            raise ConfigError("draft.markov_rank must be >= 1 (a DSpark draft without a Markov head is a DFlash "
+                              "draft: use algorithm=dflash)")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ConfigError(f"draft.markov_head_type '{self.markov_head_type}' is not one of "
+                              f"{', '.join(MARKOV_HEAD_TYPES)} (vLLM builds only the vanilla head)")
+        if min(self.ce_weight, self.tv_weight, self.confidence_weight) < 0 or self.ce_weight + self.tv_weight <= 0:
+            raise ConfigError("draft.ce_weight, tv_weight and confidence_weight must be >= 0, and ce_weight + "
+                              "tv_weight > 0")
+        if self.loss_chunk_rows < 0:
+            raise ConfigError("draft.loss_chunk_rows must be >= 0 (0: no chunks)")
+
+    @property
+    def num_positions(self) -> int:
+        return self.block_size
+
+
+class MarkovHead(nn.Module):
+    """The low-rank first-order transition bias W2 W1[prev]: prev target ids [...] -> [..., Vd]."""
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+        nn.init.normal_(self.markov_w1.weight, std=0.02)
+        nn.init.zeros_(self.markov_w2.weight)  # starts as a DFlash-like backbone: no bias until learned
+
+    def forward(self, prev: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(prev))
+
+
+class ConfidenceHead(nn.Module):
+    """c = sigmoid(proj([h ; e])), in fp32 as vLLM runs it (its params are fp32)."""
+
+    def __init__(self, input_dim: int, with_markov: bool):
+        super().__init__()
+        self.with_markov = with_markov
+        self.proj = nn.Linear(input_dim, 1, bias=True)
+
+    def forward(self, hn: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
+        """hn [..., H] normed backbone states; markov_embed [..., r] -> logit of acceptance [...]."""
+        x = torch.cat([hn, markov_embed], -1) if self.with_markov else hn
+        return F.linear(x.float(), self.proj.weight.float(), self.proj.bias.float())[..., 0]
+
+
+class DSparkDraft(nn.Module):
+    def __init__(self, cfg: DSparkConfig, embed_tokens: nn.Embedding | None = None,
+                 lm_head: nn.Module | None = None):
+        super().__init__()
+        self.config = cfg
+        self.backbone = dflash.DFlashDraft(cfg, embed_tokens, lm_head)
+        Vd = cfg.draft_vocab_size or cfg.vocab_size
+        self.markov_head = MarkovHead(cfg.vocab_size, Vd, cfg.markov_rank)
+        self.confidence_head = None
+        if cfg.enable_confidence_head:
+            width = cfg.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+            self.confidence_head = ConfidenceHead(width, cfg.confidence_head_with_markov)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.backbone.set_vocab(d2t, t2d)
+
+    def draft_to_target(self) -> torch.Tensor:
+        """[Vd] target ids of the draft vocabulary."""
+        return self.backbone.draft_to_target()
+
+    def slot_logits(self, hn: torch.Tensor, prev: torch.Tensor, markov: bool = True) -> torch.Tensor:
+        """hn [..., H] normed slot states; prev [...] target id before each slot -> [..., Vd]."""
+        base = self.backbone.head(hn)
+        return base + self.markov_head(prev).to(base.dtype) if markov else base
+
+    def confidence(self, hn: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """P(slot accepted) [...] (vLLM compute_confidence); needs the confidence head."""
+        return torch.sigmoid(self.confidence_head(hn, self.markov_head.markov_w1(prev)))
+
+
+Draft = DSparkDraft
+Config = DSparkConfig
+
+
+def build(cfg: DSparkConfig, target) -> DSparkDraft:
+    """The draft for `target`: its embedding, and its LM head unless the draft has its own."""
+    return DSparkDraft(cfg, target.backbone.embed_tokens, target.model.lm_head)
+
+
+fill_from_data = dflash.fill_from_data  # the mask token: a token the data never uses
+
+
+def training_step(draft: DSparkDraft, batch: dict, labels: dict) -> StepMetrics:
+    """One DSpark training step over DFlash's packed anchor blocks, Markov head teacher-forced.
+
+    batch: input_ids, loss_mask, attention_mask [B, T], aux_hidden_states [B, T, L*Ht].
+    labels (`target_labels`): anchors/valid [B, n]; target_ids [B, T] (the target's greedy
+    token after each position); target_p [U, Vd] (the target's next-token distribution,
+    restricted to the draft vocabulary) at the positions `target_row` [B, n, Bk] points to,
+    with target_outside [U] = its mass outside the draft vocabulary.
+
+    Slot k (0-based) of the block at anchor a predicts the token at a+k+1 from the base
+    logits plus the Markov bias of x_{k-1} = the data token at a+k (teacher forcing; the
+    anchor for k = 0). Per slot: ce_weight CE(want) + tv_weight |q - p|_1 + confidence_weight
+    BCE(c_k, 1 - |q - p|_1 / 2) with the target detached, weighted exp(-k/gamma), supervision
+    stopping at the first slot outside the assistant span.
+    """
+    cfg = draft.config
+    ids, anchors = batch["input_ids"], labels["anchors"]
+    Bk = cfg.block_size
+    h = dflash.block_states(draft.backbone, batch, anchors, labels["valid"])  # [B, n, Bk, H]
+    at, live = dflash.slot_supervision(batch, anchors, labels["valid"], first=1, K=Bk)  # token at a+k+1
+    greedy = labels["target_ids"].gather(1, (at - 1).flatten(1)).view_as(at)
+    prev = ids.gather(1, (at - 1).flatten(1)).view_as(at)  # x_{k-1}: the data token at a+k
+    want = ids.gather(1, at.flatten(1)).view_as(at) if cfg.labels == "data" else greedy
+
+    rows = live.reshape(-1)
+    hn = draft.backbone.norm(h.reshape(-1, h.shape[-1])[rows])  # [R, H] supervised slots only
+    prev_r, target_r = prev.reshape(-1)[rows], dflash.to_draft_ids(draft.backbone, want.reshape(-1)[rows])
+    p_row = labels["target_row"].reshape(-1)[rows]
+    R = hn.shape[0]
+    step = cfg.loss_chunk_rows or R or 1
+    chunked = R > step  # then each chunk's [step, Vd] logits are recomputed in backward, not stored
+    parts = [slot_losses(draft, hn[i:i + step], prev_r[i:i + step], target_r[i:i + step], labels["target_p"],
+                         labels["target_outside"], p_row[i:i + step], chunked) for i in range(0, max(R, 1), step)]
+    row_loss, argmax = (torch.cat(x) for x in zip(*parts))
+    loss = dflash.weighted_mean(row_loss, live, cfg.gamma)
+    return dflash.block_metrics(loss, draft.draft_to_target()[argmax], greedy, live, row_loss)
+
+
+def slot_losses(draft: DSparkDraft, hn, prev, target, target_p, target_outside, p_row, checkpoint: bool):
+    """Per supervised slot (rows of hn [R, H]): the DeepSpec loss [R] and the argmax draft id
+    [R]. checkpoint: recompute the [R, Vd] logits in backward (torch.utils.checkpoint)
+    instead of storing them."""
+    if checkpoint and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(_slot_losses, draft, hn, prev, target, target_p, target_outside,
+                                                 p_row, use_reentrant=False)
+    return _slot_losses(draft, hn, prev, target, target_p, target_outside, p_row)
+
+
+def _slot_losses(draft, hn, prev, target, target_p, target_outside, p_row):
+    cfg = draft.config
+    logits = draft.slot_logits(hn, prev).float()  # [R, Vd]
+    logq = logits.log_softmax(-1)
+    ce = F.nll_loss(logq, target.clamp(min=0), reduction="none") * (target >= 0)
+    p = target_p[p_row].float()  # [R, Vd]
+    l1 = (logq.exp() - p).abs().sum(-1) + target_outside[p_row].float()  # mass q cannot cover counts fully
+    loss = cfg.ce_weight * ce + cfg.tv_weight * l1
+    if draft.confidence_head is not None and cfg.confidence_weight > 0:
+        c = draft.confidence_head(hn, draft.markov_head.markov_w1(prev))  # logit
+        accept = (1 - 0.5 * l1).detach().clamp(0, 1)  # P(a draw from q is accepted) = 1 - TV(p, q)
+        loss = loss + cfg.confidence_weight * F.binary_cross_entropy_with_logits(c, accept, reduction="none")
+    return loss, logits.argmax(-1)
+
+
+@torch.no_grad()
+def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512) -> dict:
+    """DFlash's random anchors (the global RNG: seeded, restored on resume) and the target's
+    next-token distribution at the positions the loss reads (anchor + k for every slot of a
+    valid block), computed once per distinct position from the captured pre-norm last state,
+    `chunk` positions at a time: never a [B, T, V] tensor, nor one per slot.
+
+    Returns anchors, valid [B, n]; target_row [B, n, Bk] (row of target_p for the state at
+    anchor + k, -1 where no slot needs it); target_p [U, Vd] (restricted to the draft
+    vocabulary, not renormalized), target_outside [U] (its mass outside), U <= min(B*T,
+    B*n*Bk); target_ids [B, T] (the target's greedy token after each needed position, -1
+    elsewhere). Memory: U * Vd floats, plus chunk * V while computing."""
+    anchors, valid = dflash.sample_anchors(batch["loss_mask"], batch["attention_mask"], draft.config.num_anchors)
+    B, T = batch["input_ids"].shape
+    dev = anchors.device
+    pos = anchors[..., None] + torch.arange(draft.config.block_size, device=dev)  # [B, n, Bk]
+    need = valid[..., None] & (pos < T - 1)
+    key = torch.arange(B, device=dev)[:, None, None] * T + pos.clamp(max=T - 1)  # flat b*T + t
+    unique, row = torch.unique(key[need], return_inverse=True)
+    target_row = torch.full_like(key, -1)
+    target_row[need] = row
+    states = batch["last_hidden_state"].reshape(B * T, -1)
+    draft_ids = draft.draft_to_target() if draft.config.draft_vocab_size is not None else None
+    greedy = torch.full((B * T,), -1, dtype=torch.long, device=dev)
+    probs, outside = [], []
+    for part in unique.split(chunk):
+        p = target.model.lm_head(target.backbone.norm(states[part].to(target.dtype))).float().softmax(-1)  # [u, V]
+        greedy[part] = p.argmax(-1)
+        if draft_ids is not None:
+            p = p[:, draft_ids]
+            outside.append((1 - p.sum(-1)).clamp(min=0))
+        else:  # the full vocabulary: nothing outside
+            outside.append(p.new_zeros(p.shape[0]))
+        probs.append(p)
+    V = draft.config.draft_vocab_size or draft.config.vocab_size
+    return {"anchors": anchors, "valid": valid, "target_row": target_row, "target_ids": greedy.view(B, T),
+            "target_p": torch.cat(probs) if probs else states.new_zeros(0, V),
+            "target_outside": torch.cat(outside) if outside else states.new_zeros(0)}
+
+
+class DSparkProposer:
+    """DSpark drafting for the in-tree decoder, as vLLM's DSpark speculator runs it: the
+    context is kept as for DFlash (dflash.DFlashProposer); each round one backbone forward
+    over [pending token, MASK x (N-1)] gives base logits for N slots, then the Markov bias is
+    applied left to right from the token drafted before each slot (the pending token first).
+
+    markov=False drafts from the base logits alone (the ablation). draft_topk (vLLM's
+    `dspark_draft_topk`): the Markov correction only for the top-k base candidates of each
+    slot, every other token at -inf.
+    """
+
+    OPTIONS = ("markov", "draft_topk")  # what `draftsmith eval` may pass (recipes/_common.load_proposer)
+
+    def __init__(self, draft: DSparkDraft, draft_sampling: str = "greedy", seed: int = 0, markov: bool = True,
+                 draft_topk: int | None = None):
+        Vd = draft.config.draft_vocab_size or draft.config.vocab_size
+        if draft_topk is not None and not 1 <= draft_topk <= Vd:
+            raise ConfigError(f"draft_topk {draft_topk} must be between 1 and the draft vocabulary size ({Vd})")
+        self.d = draft.eval()
+        self.context = dflash.DFlashProposer(draft.backbone, draft_sampling, seed)
+        self.aux_layer_ids = self.context.aux_layer_ids
+        self.max_draft_tokens = draft.config.block_size
+        self.target_ids = self.context.target_ids
+        self.draft_sampling, self.generator = draft_sampling, self.context.generator
+        self.markov, self.draft_topk = markov, draft_topk
+
+    def begin(self, sequences, aux, mask):
+        self.context.begin(sequences, aux, mask)
+
+    def commit(self, sequences, aux, keep):
+        self.context.commit(sequences, aux, keep)
+
+    @torch.no_grad()
+    def propose(self, sequences, n: int, sampling):
+        from trainer.speculative import Proposal, processed_probs
+
+        d = self.d
+        if n > self.max_draft_tokens:
+            raise ConfigError(f"a DSpark draft with block_size {d.config.block_size} proposes at most "
+                              f"{self.max_draft_tokens} tokens, not {n}")
+        hn = d.backbone.norm(self.context.block_hidden(sequences, n))  # [B, n, H]: slot k predicts p+k+1
+        base = d.backbone.head(hn)  # [B, n, Vd]
+        B = base.shape[0]
+        if self.draft_topk is not None:
+            values, index = base.topk(self.draft_topk, dim=-1)  # [B, n, k], chosen once for all slots
+        sample = self.draft_sampling == "probabilistic" and not sampling.greedy
+        prev = torch.tensor([s[-1] for s in sequences], device=base.device)  # [B] the anchor
+        tokens, qs = [], []
+        for k in range(n):
+            if not self.markov:
+                logits = base[:, k]
+            elif self.draft_topk is None:
+                logits = base[:, k] + d.markov_head(prev).to(base.dtype)
+            else:  # bias only where it is needed: W2's rows of the candidates
+                e = d.markov_head.markov_w1(prev)  # [B, r]
+                w2 = d.markov_head.markov_w2.weight[index[:, k]]  # [B, k, r]
+                corrected = values[:, k] + (w2 @ e[..., None].to(w2.dtype))[..., 0].to(values.dtype)
+                logits = base.new_full(base[:, k].shape, float("-inf")).scatter(1, index[:, k], corrected)
+            if sample:
+                full = logits.new_full((B, d.config.vocab_size), float("-inf"))
+                full[:, self.target_ids] = logits  # draft vocab -> target vocab
+                q = processed_probs(full, sampling)  # [B, V]
+                x = torch.multinomial(q, 1, generator=self.generator)[:, 0]
+                qs.append(q)
+            else:
+                x = self.target_ids[logits.argmax(-1)]
+            tokens.append(x)
+            prev = x
+        return Proposal(torch.stack(tokens, 1), torch.stack(qs, 1) if sample else None)
+
+
+Proposer = DSparkProposer
+
+__all__ = ["Config", "Draft", "Proposer", "build", "default_layer_ids", "fill_from_data", "training_step",
+           "target_labels"]
