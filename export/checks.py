@@ -20,6 +20,7 @@ from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json
 
 RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_generate.py"
+DSPARK_RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_dspark_pieces.py"
 
 
 def vllm_python() -> str | None:
@@ -48,6 +49,10 @@ def run_vllm(target_dir: str, prompts: list[list[int]], out: Path, draft: str | 
 
         method = json.loads((Path(draft) / formats.EXPORT_MANIFEST).read_text())["method"]
         cmd += ["--draft", str(draft), "--num-speculative-tokens", str(num_speculative_tokens), "--method", method]
+    return _run(cmd, out, cache_root, timeout)
+
+
+def _run(cmd: list[str], out: Path, cache_root: Path | None, timeout: int) -> dict:
     env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root or out.parent / "vllm-cache"),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in-process: the runner inspects the draft
            "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
@@ -59,6 +64,28 @@ def run_vllm(target_dir: str, prompts: list[list[int]], out: Path, draft: str | 
         tail = log.read_text()[-3000:]
         raise DraftsmithError(f"vLLM run failed (exit {r.returncode}), log {log}:\n{tail}")
     return json.loads(out.read_text())
+
+
+def run_vllm_dspark_pieces(target_dir: str, export_dir: Path, inputs: dict, out: Path, dtype: str = "float32",
+                           cache_root: Path | None = None, timeout: int = 900) -> tuple[dict, dict]:
+    """vLLM's own DSpark class built from `export_dir` on the CPU (vllm-cpu cannot serve
+    dspark: export/runners/vllm_dspark_pieces.py says how it is built anyway), its weights
+    loaded by vLLM's loader, and its config-free pieces run on `inputs` (aux [S, L*Ht],
+    positions [S], hn [M, H], prev [M]). Returns (report, tensors): what vLLM derived and
+    loaded, and its fc / context keys+values / logits / Markov bias / confidence."""
+    from safetensors.torch import load_file, save_file
+
+    python = vllm_python()
+    if python is None:
+        raise DraftsmithError("no vLLM environment: run scripts/setup_vllm.sh or set DRAFTSMITH_VLLM_PYTHON")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    inputs_file = out.with_suffix(".inputs.safetensors")
+    save_file({k: v.contiguous() for k, v in inputs.items()}, str(inputs_file))
+    cmd = [python, str(DSPARK_RUNNER), "--target", target_dir, "--draft", str(export_dir), "--inputs",
+           str(inputs_file), "--out", str(out), "--dtype", dtype]
+    report = _run(cmd, out, cache_root, timeout)
+    return report, load_file(str(out) + ".safetensors")
 
 
 def make_probe(src_export: Path, out: Path, token: int) -> None:

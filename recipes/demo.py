@@ -68,7 +68,8 @@ def run(cfg: DemoConfig, argv: list[str] | None = None) -> dict:
     for name, ecfg in exports.items():
         ev = EvalConfig(draft=ecfg.output_dir, target=cfg.target, dataset=cfg.eval_dataset,
                         num_prompts=cfg.eval_prompts, max_new_tokens=cfg.eval_max_new_tokens,
-                        num_draft_tokens=n, output_dir=str(Path(ecfg.output_dir) / "eval"))
+                        num_draft_tokens=n, output_dir=str(Path(ecfg.output_dir) / "eval"),
+                        markov_ablation=cfg.algorithm == "dspark" and name == "bf16")  # what the Markov head adds
         results[name]["eval"] = eval_recipe.run(ev, argv)
 
     print(f"\ndemo finished in {time.perf_counter() - t0:.0f} s; outputs in {out}/\n")
@@ -96,6 +97,11 @@ def format_table(results: dict, trained: dict) -> str:
     rows.append(f"FP8 vs BF16: τ {fp8['eval']['tau'] / bf16['eval']['tau'] - 1:+.1%}, weights "
                 f"{sizes['fp8'] / sizes['bf16'] - 1:+.1%} ({', '.join(fp8['export']['quantization']['keep_bf16'])} "
                 "stay BF16)")
+    ablation = bf16["eval"].get("ablation")
+    if ablation:
+        a = ablation["without_markov"]
+        rows.append(f"DSpark without its Markov head (BF16, same backbone): τ {a['tau']:.3f}, conditional acceptance "
+                    + " ".join(f"{x:.3f}" for x in a["conditional_acceptance"]))
     gate = fp8["export"].get("gate")
     if gate:
         rows.append(f"FP8 gate at export: τ {gate['tau_fp8']:.3f} vs {gate['tau_bf16']:.3f} "
@@ -115,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
-    cfg = parse_args(DemoConfig, argv, __doc__.splitlines()[0])
+    cfg = parse_args(DemoConfig, argv, __doc__, prog="draftsmith demo")
     run(cfg, argv)
 
 

