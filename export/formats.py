@@ -57,16 +57,47 @@ def read_draft_dir(path: str | Path) -> tuple[dict, dict]:
     if not cfg_path.is_file() or not weights.is_file():
         raise DraftsmithError(f"'{path}' is not a trained draft folder (needs config.json and {WEIGHTS}); "
                               "pass the output_dir of recipes/train.py")
-    cfg = json.loads(cfg_path.read_text())
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError as err:
+        raise DraftsmithError(f"{cfg_path} is not valid JSON ({err}); train again or restore it") from None
     if (path / EXPORT_MANIFEST).is_file() or "architectures" in cfg:
         raise DraftsmithError(f"'{path}' is already an export; export the trained draft folder it came from")
     if cfg.get("algorithm") not in EXPORTERS:
         raise DraftsmithError(f"{cfg_path}: algorithm {cfg.get('algorithm')!r} has no exporter "
                               f"(known: {', '.join(EXPORTERS)})")
-    state = load_file(weights)
+    from trainer.drafts import check_draft_dir
+
+    check_draft_dir(path, cfg)
+    try:
+        state = load_file(weights)
+    except Exception as err:  # safetensors' own error types for a damaged file
+        raise DraftsmithError(f"{weights} is not readable safetensors ({err}); train again") from None
     ours = {k: k for k in exporter(cfg["algorithm"]).tensors(cfg["draft"])}
     rename_strict(state, ours, str(weights))
+    check_shapes(cfg, state, str(weights))
     return cfg, state
+
+
+def check_shapes(cfg: dict, state: dict, what: str) -> None:
+    """Every tensor has the shape the draft config says (an edited config.json, e.g. other
+    aux layer ids, would export a config vLLM misreads): the module built from the config on
+    the meta device, compared name by name."""
+    from trainer.drafts import get
+
+    algo = get(cfg["algorithm"])
+    try:
+        with torch.device("meta"):
+            module = algo.Draft(algo.Config(**cfg["draft"]))
+    except (TypeError, ValueError, DraftsmithError) as err:
+        raise DraftsmithError(f"{what}: its config.json 'draft' section does not build a {cfg['algorithm']} "
+                              f"draft ({err})") from None
+    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    bad = [f"{k} {tuple(v.shape)} (config says {want[k]})" for k, v in state.items()
+           if k in want and tuple(v.shape) != want[k]]
+    if bad:
+        raise DraftsmithError(f"{what}: tensors do not fit the draft config: {'; '.join(bad[:3])}; the config or "
+                              "the weights were changed after training")
 
 
 def check_against_target(cfg: dict, target, draft_dir: Path) -> None:
@@ -86,7 +117,9 @@ def check_against_target(cfg: dict, target, draft_dir: Path) -> None:
     capture = cfg.get("data", {}).get("capture")
     manifest = Path(capture) / "manifest.json" if capture else None
     if manifest is not None and manifest.is_file():  # the training data's own record, when still on disk
-        m = json.loads(manifest.read_text())
+        from trainer.data.shards import load_manifest
+
+        m = load_manifest(capture).manifest
         if not set(d["aux_layer_ids"]) <= set(m["aux_layer_ids"]):
             problems.append(f"capture {capture} holds layer ids {m['aux_layer_ids']}, the draft says it was trained "
                             f"on {d['aux_layer_ids']}")
@@ -146,11 +179,31 @@ def read_export(path: str | Path) -> tuple[dict, dict, dict]:
     if not (path / EXPORT_MANIFEST).is_file():
         raise DraftsmithError(f"'{path}' is not a draftsmith export (no {EXPORT_MANIFEST}); "
                               "create one with `draftsmith export`")
-    manifest = json.loads((path / EXPORT_MANIFEST).read_text())
-    for name in manifest["files"]:
-        if not (path / name).is_file():
-            raise DraftsmithError(f"export '{path}' is incomplete: {name} is missing")
+    try:
+        manifest = json.loads((path / EXPORT_MANIFEST).read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        raise DraftsmithError(f"{path / EXPORT_MANIFEST} is not a complete export manifest; export again") from None
+    for name, info in files.items():
+        p = path / name
+        if not p.is_file():
+            raise DraftsmithError(f"export '{path}' is incomplete: {name} is missing; export again")
+        if p.stat().st_size != info["bytes"] or sha256_file(p) != info["sha256"]:
+            raise DraftsmithError(f"export '{path}': {name} does not match its sha256 in {EXPORT_MANIFEST} "
+                                  "(changed after export); export again")
     return manifest, json.loads((path / "config.json").read_text()), load_file(path / WEIGHTS)
+
+
+def record_added_files(export_dir: Path, paths: list[Path]) -> None:
+    """Record files written into an export after it was made (`draftsmith eval --output-dir
+    EXPORT/eval`) in its manifest's `added_files`, with size and sha256: upload builds the
+    model card only from reports recorded there, and refuses unrecorded files."""
+    export_dir = Path(export_dir)
+    manifest = json.loads((export_dir / EXPORT_MANIFEST).read_text())
+    added = manifest.setdefault("added_files", {})
+    for p in paths:
+        added[Path(p).relative_to(export_dir).as_posix()] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    atomic_write_json(export_dir / EXPORT_MANIFEST, manifest)
 
 
 def dequantize_fp8(state: dict) -> tuple[dict, set[str]]:

@@ -52,8 +52,11 @@ class UploadPlan:
                           f"{total:>12,}  bytes in {len(self.files) + 1} files"])
 
 
-def check_export(export_dir: str | Path) -> tuple[dict, list[PlannedFile]]:
-    """A complete, untampered draftsmith export with nothing in it that should not leave."""
+def check_export(export_dir: str | Path, allow_extra: bool = False) -> tuple[dict, list[PlannedFile]]:
+    """A complete, untampered draftsmith export with nothing in it that should not leave: every
+    file the export wrote and every report `draftsmith eval` recorded into it (`added_files`)
+    matches its sha256; a file neither wrote is refused unless `allow_extra` (it would be
+    uploaded unseen)."""
     root = Path(export_dir)
     if not root.is_dir():
         raise DraftsmithError(f"'{root}' is not a folder; pass the output_dir of `draftsmith export`")
@@ -62,7 +65,12 @@ def check_export(export_dir: str | Path) -> tuple[dict, list[PlannedFile]]:
             hint = ("run `draftsmith eval --draft EXPORT --output-dir EXPORT/eval`" if name.startswith("eval/")
                     else "export the draft again with `draftsmith export`")
             raise DraftsmithError(f"'{root}' is not a complete draftsmith export: {name} is missing; {hint}")
-    manifest = json.loads((root / formats.EXPORT_MANIFEST).read_text())
+    try:
+        manifest = json.loads((root / formats.EXPORT_MANIFEST).read_text())
+        manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        raise DraftsmithError(f"{root / formats.EXPORT_MANIFEST} is not a complete export manifest; export again") \
+            from None
     files = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         for name in sorted(dirnames + filenames):
@@ -88,6 +96,24 @@ def check_export(export_dir: str | Path) -> tuple[dict, list[PlannedFile]]:
         if f is None or f.sha256 != info["sha256"]:
             raise DraftsmithError(f"'{root}/{name}' does not match {formats.EXPORT_MANIFEST} (changed after export?); "
                                   "export again")
+    added = manifest.get("added_files", {})
+    for name, info in added.items():
+        f = by_path.get(name)
+        if f is None or f.sha256 != info["sha256"]:
+            raise DraftsmithError(f"'{root}/{name}' does not match the sha256 `draftsmith eval` recorded for it "
+                                  "(edited after the measurement?); measure again with `draftsmith eval --draft "
+                                  f"{root} --output-dir {root}/{Path(name).parent}`")
+    for p in root.glob("eval*/report.json"):  # the card is built only from recorded reports
+        rel = p.relative_to(root).as_posix()
+        if rel not in added:
+            raise DraftsmithError(f"'{root}/{rel}' was not written by `draftsmith eval` of this export (no sha256 in "
+                                  f"{formats.EXPORT_MANIFEST}); measure again with `draftsmith eval --draft {root} "
+                                  f"--output-dir {root}/{p.parent.name}`")
+    extra = sorted(set(by_path) - set(manifest["files"]) - set(added) - {formats.EXPORT_MANIFEST})
+    if extra and not allow_extra:
+        raise DraftsmithError(f"'{root}' holds files added after export: {', '.join(extra[:5])}"
+                              f"{' ...' if len(extra) > 5 else ''}; remove them or pass --allow-extra-files to "
+                              "upload them too")
     if "README.md" in by_path:
         raise DraftsmithError(f"'{root}/README.md' exists; the model card is generated, remove it")
     return manifest, sorted(files, key=lambda f: f.path)
@@ -206,10 +232,11 @@ def validate_card(content: str, base_model: str) -> None:
         raise DraftsmithError("model card metadata is invalid: " + "; ".join(problems))
 
 
-def plan_upload(export_dir: str | Path, repo_id: str, base_model: str | None = None) -> UploadPlan:
+def plan_upload(export_dir: str | Path, repo_id: str, base_model: str | None = None,
+                allow_extra: bool = False) -> UploadPlan:
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
         raise DraftsmithError(f"--repo '{repo_id}' is not owner/name")
-    manifest, files = check_export(export_dir)
+    manifest, files = check_export(export_dir, allow_extra)
     return UploadPlan(Path(export_dir), files, build_card(Path(export_dir), manifest, repo_id, base_model), manifest)
 
 

@@ -10,31 +10,54 @@ import sys
 from trainer.config import load_config
 from trainer.errors import DraftsmithError
 
+CONFIG_HELP = "a YAML under recipes/configs/ (optional: the schema's defaults and key=value overrides work too)"
+OVERRIDES_HELP = "key=value overrides of any config field, e.g. output_dir=runs/x max_length=1024 (they win)"
 
-def parse_args(schema, argv: list[str] | None, description: str):
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", help="a YAML under recipes/configs/ (optional: defaults + overrides work too)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. output_dir=runs/x max_length=1024")
+
+def _parser(description: str, prog: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    return parser
+
+
+def parse_args(schema, argv: list[str] | None, description: str, prog: str | None = None):
+    parser = _parser(description, prog)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     args = parser.parse_args(argv)
     return load_config(schema, args.config, args.overrides)
 
 
-def parse_flags(schema, argv: list[str], description: str, flags: dict[str, str],
-                switches: dict[str, str] | None = None):
-    """`--config FILE`, `--flag VALUE` for each of `flags` (flag -> config key), boolean
-    `switches` (flag -> "key=value" they set), then `key=value` overrides, which win."""
+def _default(schema, key: str):
+    import dataclasses
+
+    for f in dataclasses.fields(schema):
+        if f.name == key:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            return None if f.default_factory is dataclasses.MISSING else f.default_factory()
+    return None
+
+
+def parse_flags(schema, argv: list[str], description: str, flags: dict[str, tuple[str, str]],
+                switches: dict[str, tuple[str, str]] | None = None, prog: str | None = None):
+    """`--config FILE`, `--flag VALUE` for each of `flags` (flag -> (config key, help)), boolean
+    `switches` (flag -> ("key=value" it sets, help)), then `key=value` overrides, which win."""
+    from omegaconf import MISSING
+
     switches = switches or {}
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config")
-    for flag in flags:
-        parser.add_argument(flag)
-    for flag in switches:
-        parser.add_argument(flag, action="store_true")
-    parser.add_argument("overrides", nargs="*")
+    parser = _parser(description, prog)
+    for flag, (key, text) in flags.items():
+        default = _default(schema, key)
+        shown = "required" if default == MISSING else f"default {default}"
+        parser.add_argument(flag, metavar=key.upper(), help=f"{text} (config key {key}; {shown})")
+    for flag, (_kv, text) in switches.items():
+        parser.add_argument(flag, action="store_true", help=text)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     args = vars(parser.parse_args(argv))
     dest = lambda flag: flag[2:].replace("-", "_")  # noqa: E731
-    overrides = [f"{key}={args[dest(flag)]}" for flag, key in flags.items() if args[dest(flag)] is not None]
-    overrides += [kv for flag, kv in switches.items() if args[dest(flag)]]
+    overrides = [f"{key}={args[dest(flag)]}" for flag, (key, _) in flags.items() if args[dest(flag)] is not None]
+    overrides += [kv for flag, (kv, _) in switches.items() if args[dest(flag)]]
     return load_config(schema, args["config"], overrides + args["overrides"])
 
 
@@ -52,9 +75,10 @@ def one_line_errors(fn):
     return wrapper
 
 
-def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int = 0):
+def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int = 0, **options):
     """A trained draft folder or an export (BF16, or FP8 simulated) -> (its in-tree proposer,
-    a description), through the draft registry."""
+    a description), through the draft registry. `options` go to the algorithm's Proposer
+    (DSpark: markov, draft_topk)."""
     import json
     from pathlib import Path
 
@@ -71,4 +95,9 @@ def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int =
     else:
         algorithm, draft = load_draft(path, target)
         name = f"{algorithm} ({path})"
-    return get(algorithm).Proposer(draft, draft_sampling=draft_sampling, seed=seed), name
+    proposer = get(algorithm).Proposer
+    unknown = sorted(set(options) - set(getattr(proposer, "OPTIONS", ())))
+    if unknown:
+        raise DraftsmithError(f"{', '.join(unknown)}: not an option of {algorithm} drafts ('{path}'); "
+                              f"they take {', '.join(getattr(proposer, 'OPTIONS', ())) or 'none'}")
+    return proposer(draft, draft_sampling=draft_sampling, seed=seed, **options), name

@@ -40,7 +40,7 @@ from trainer.data.shards import (
 from trainer.data.vocab import build_draft_vocab, coverage, token_counts
 from trainer.dist import process_state
 from trainer.errors import DataError, DraftsmithError
-from trainer.io import atomic_save_safetensors, atomic_write_json, write_run_files
+from trainer.io import atomic_save_safetensors, atomic_write_json, ensure_dir, write_run_files
 from trainer.target import LAYER_ID_CONVENTION, load_target, parse_dtype
 
 STATE = "capture_state.json"
@@ -65,7 +65,7 @@ def _open_output(out: Path, cfg: CaptureConfig, fingerprint: dict) -> None:
         for stale in out.glob(".*.tmp"):  # partial writes of a killed run
             stale.unlink()
         return
-    out.mkdir(parents=True)
+    ensure_dir(out, "output_dir")
     atomic_write_json(state_file, fingerprint)
 
 
@@ -131,7 +131,7 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
                     bar.update(T)
                 batches_run += 1
                 faults.maybe_die(faults.CAPTURE_AFTER_BATCHES, batches_run)  # tests: a kill mid-shard
-            write_shard(out, k, pack_samples(samples, list(rows[k])))
+            write_shard(out, k, pack_samples(samples, list(rows[k])), layer_ids)
     elapsed = time.perf_counter() - t0
     state.wait_for_everyone()
 
@@ -200,7 +200,7 @@ def format_summary(m: dict) -> str:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(CaptureConfig, argv, __doc__.splitlines()[0])
+    cfg = parse_args(CaptureConfig, argv, __doc__, prog="draftsmith capture")
     manifest = run(cfg, argv)
     if process_state().is_main_process:
         print(format_summary(manifest))

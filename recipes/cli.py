@@ -30,11 +30,16 @@ COMMANDS = {
 
 @one_line_errors
 def _inspect_capture(argv: list[str]) -> None:
+    import argparse
+
     from recipes.capture import format_summary
     from trainer.data.shards import verify_capture
 
-    if len(argv) != 1:
-        raise SystemExit("usage: draftsmith inspect-capture CAPTURE_DIR")
+    ap = argparse.ArgumentParser(prog="draftsmith inspect-capture",
+                                 description="Verify a capture against its manifest (every shard's size, sha256, "
+                                             "tensors and layer ids; the draft vocabulary) and print its summary.")
+    ap.add_argument("capture_dir", help="the output_dir of `draftsmith capture`")
+    argv = [ap.parse_args(argv).capture_dir]
     info = verify_capture(argv[0])
     print(format_summary(info.manifest))
     print(f"  all {len(info.manifest['shards'])} shard(s) match their sha256")

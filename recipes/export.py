@@ -25,12 +25,21 @@ from recipes._common import one_line_errors, parse_flags
 from trainer.config import ExportConfig, to_yaml
 from trainer.errors import DraftsmithError
 
-FLAGS = {"--draft": "draft", "--output-dir": "output_dir", "--target": "target", "--format": "format",
-         "--dtype": "dtype", "--quantize": "quantize", "--fp8-scheme": "fp8_scheme",
-         "--num-draft-tokens": "num_draft_tokens", "--gate-dataset": "gate_dataset",
-         "--gate-prompts": "gate_prompts", "--max-tau-drop": "max_tau_drop"}
-SWITCHES = {"--overwrite": "overwrite=true", "--quantize-fc": "quantize_fc=true", "--no-gate": "gate=false",
-            "--keep-qkv-bf16": "quantize_qkv=false"}
+FLAGS = {"--draft": ("draft", "the trained draft folder (recipes/train.py output_dir)"),
+         "--output-dir": ("output_dir", "the export folder to write (refused if it exists, unless --overwrite)"),
+         "--target": ("target", "the target the draft was trained for: alias, HF folder or .gguf"),
+         "--format": ("format", "vllm (vLLM-native) or speculators (EAGLE-3 only)"),
+         "--dtype": ("dtype", "dtype of the unquantized tensors: bfloat16, float16 or float32"),
+         "--quantize": ("quantize", "none or fp8 (AMD Quark)"),
+         "--fp8-scheme": ("fp8_scheme", "Quark FP8 scheme: ptpc_fp8 (per-channel weights, per-token activations)"),
+         "--num-draft-tokens": ("num_draft_tokens", "N written into the serve command (and the FP8 gate)"),
+         "--gate-dataset": ("gate_dataset", "held-out prompts of the FP8 acceptance gate"),
+         "--gate-prompts": ("gate_prompts", "prompts the FP8 gate decodes"),
+         "--max-tau-drop": ("max_tau_drop", "the FP8 gate fails when τ drops more than this fraction")}
+SWITCHES = {"--overwrite": ("overwrite=true", "replace an existing output folder"),
+            "--quantize-fc": ("quantize_fc=true", "FP8 fc too (AMD's shipped drafts keep it BF16)"),
+            "--no-gate": ("gate=false", "skip the FP8 acceptance gate"),
+            "--keep-qkv-bf16": ("quantize_qkv=false", "keep every draft layer's q/k/v in BF16 under FP8")}
 
 
 def run(cfg: ExportConfig, argv=None) -> dict:
@@ -147,7 +156,7 @@ def format_summary(m: dict) -> str:
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = parse_flags(ExportConfig, argv, __doc__.splitlines()[0], FLAGS, SWITCHES)
+    cfg = parse_flags(ExportConfig, argv, __doc__, FLAGS, SWITCHES, prog="draftsmith export")
     manifest = run(cfg, argv)
     print(format_summary(manifest))
     print(f"  written to {cfg.output_dir}")

@@ -34,12 +34,12 @@ def _tokenize_batch(batch, tokenizer, max_length, chat_template):
             out["input_ids"].append([])
             out["loss_mask"].append([])
             out["length"].append(0)
-            out["skip"].append(err.reason)
+            out["skip"].append(f"{err.reason}\t{err.detail}")  # reason, then what and where
     return out
 
 
-def _strict_stop(index: int, source: str, reason: str) -> DataError:
-    return DataError(f"record {index} of '{source}' is bad ({reason}: {SKIP_REASONS[reason]}); "
+def _strict_stop(index: int, source: str, reason: str, detail: str = "") -> DataError:
+    return DataError(f"record {index} of '{source}' is bad ({reason}: {detail or SKIP_REASONS[reason]}); "
                      "fix or drop it, or set strict=false to skip bad records")
 
 
@@ -58,8 +58,12 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
                 kept.append({"index": index, "messages": normalize(record)})
             except BadRecord as err:
                 if cfg.strict:
-                    raise _strict_stop(index, cfg.source, err.reason) from None
+                    raise _strict_stop(index, cfg.source, err.reason, err.detail) from None
                 skipped.append((index, err.reason))
+        if cfg.strict and report.truncated:
+            raise DataError(f"'{cfg.source}' ({report.path}) ends mid-record at character {report.truncated_at_byte} "
+                            f"after {report.records_read} complete records; strict=true stops here (strict=false "
+                            "reads every complete record and says so)")
 
         # 2. The target's tokenizer (and the model itself only when regenerating).
         source = resolve_target(cfg.target)
@@ -91,11 +95,11 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
                     fn_kwargs={"tokenizer": tokenizer, "max_length": cfg.max_length,
                                "chat_template": cfg.chat_template},
                     remove_columns=["messages"], desc="tokenize")
-        late = [(i, r) for i, r in zip(ds["index"], ds["skip"]) if r]
+        late = [(i, *r.split("\t", 1)) for i, r in zip(ds["index"], ds["skip"]) if r]
         if cfg.strict and late:
-            first = min([*late, *skipped])
-            raise _strict_stop(first[0], cfg.source, first[1])
-        skipped += late
+            first = min(late)
+            raise _strict_stop(first[0], cfg.source, first[1], first[2])
+        skipped += [(i, reason) for i, reason, _ in late]
         ds = ds.filter(lambda s: not s, input_columns="skip").remove_columns("skip")
         if len(ds) == 0:
             raise DataError(f"no usable conversations in '{cfg.source}' "
@@ -143,7 +147,7 @@ def format_summary(s: dict) -> str:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(PrepareConfig, argv, __doc__.splitlines()[0])
+    cfg = parse_args(PrepareConfig, argv, __doc__, prog="draftsmith prepare")
     summary = run(cfg, argv)
     print(format_summary(summary))
     print(f"  written to {cfg.output_dir}")

@@ -24,16 +24,16 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from recipes._common import one_line_errors, parse_args
 from trainer import faults
 from trainer.config import TrainConfig, to_yaml
 from trainer.data.collate import CapturedSamples, PreparedSamples, collate
-from trainer.data.shards import DRAFT_VOCAB, load_manifest
+from trainer.data.shards import DRAFT_VOCAB, verify_capture
 from trainer.dist import check_world_size, flag
-from trainer.drafts import TrainStep, get
+from trainer.drafts import TrainStep, config_digest, get
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, write_run_files
 from trainer.metrics import simulated_tau
@@ -101,8 +101,8 @@ def make_accelerator(cfg: TrainConfig, out: Path):
         # cosine schedule halfway on 2 processes and climbs back.
         step_scheduler_with_optimizer=False,
         log_with=trackers,
-        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs"),
-                                            automatic_checkpoint_naming=True, total_limit=cfg.keep_last),
+        # checkpoints are named and published by save_checkpoint (staged, renamed when complete)
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         # DeepSpeed and DDP on the CPU need the gloo backend (and a single process none).
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if on_cpu and expected > 1 else [],
@@ -144,7 +144,7 @@ def load_data(cfg: TrainConfig, target):
         ids = list(cfg.draft.aux_layer_ids or algo.default_layer_ids(target.num_layers))
         target.check_layer_ids(ids)
         return PreparedSamples(ds, cfg.max_length), ids, d2t, t2d, counts, {"prepared": str(cfg.data)}
-    info = load_manifest(cfg.data)
+    info = verify_capture(cfg.data)  # manifest complete, shards intact and as described (hashed once here)
     m = info.manifest
     t = m["target"]
     mismatch = [f"{k} {t[k]} != {v}" for k, v in (("sha256", target.content_hash), ("hidden_size", target.hidden_size),
@@ -161,22 +161,36 @@ def load_data(cfg: TrainConfig, target):
 
 
 def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
-    from accelerate.utils import set_seed
-    from torch.utils.data import DataLoader
-    from transformers import get_cosine_schedule_with_warmup
+    import shutil
+
+    from trainer.io import ensure_dir
 
     out = Path(cfg.output_dir)
     if out.exists() and cfg.resume is None and any(out.iterdir()):
         if not cfg.overwrite:
             raise DraftsmithError(f"output_dir '{out}' exists; pass resume=latest to continue or overwrite=true")
+    if cfg.resume is not None and not out.is_dir():
+        raise DraftsmithError(f"resume={cfg.resume} but output_dir '{out}' does not exist; drop resume to start fresh")
+    created = not out.exists() or (cfg.overwrite and cfg.resume is None)
     accelerator = make_accelerator(cfg, out)
     if cfg.overwrite and cfg.resume is None and accelerator.is_main_process and out.exists():
-        import shutil
-
         shutil.rmtree(out)
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+        ensure_dir(out, "output_dir")
     accelerator.wait_for_everyone()
+    try:
+        return _train(cfg, argv, accelerator, out)
+    except BaseException:
+        if created and accelerator.is_main_process and not complete_checkpoints(out):
+            shutil.rmtree(out, ignore_errors=True)  # a failed run leaves no folder behind (checkpoints stay)
+        raise
+
+
+def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from transformers import get_cosine_schedule_with_warmup
+
     set_seed(cfg.seed)
     algo = get(cfg.algorithm)
 
@@ -209,7 +223,6 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     accelerator.register_for_checkpointing(progress)
     if cfg.resume is not None:
         accelerator.load_state(_checkpoint_dir(out, cfg.resume))
-        accelerator.project_configuration.iteration = progress.step // cfg.save_every + 1
     if accelerator.is_main_process:
         accelerator.init_trackers("draftsmith", config={k: v for k, v in dataclasses.asdict(cfg).items()
                                                          if isinstance(v, (int, float, str, bool))})
@@ -256,7 +269,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau']:.2f}",
                                 tok_s=f"{stats['tokens_per_s']:.0f}")
             if progress.step % cfg.save_every == 0:
-                accelerator.save_state()
+                save_checkpoint(accelerator, out, progress.step // cfg.save_every, cfg.keep_last)
             faults.maybe_die(faults.TRAIN_AFTER_STEPS, progress.step)  # tests: a kill between checkpoints
             if progress.step >= total_steps:
                 break
@@ -274,7 +287,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model).draft
         save_draft(out, cfg.algorithm, unwrapped, {k.removeprefix("draft."): v for k, v in state.items()},
-                   target, data_desc)
+                   target, data_desc, progress.step)
         atomic_write_json(out / "train_report.json", report)
         write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
                                             "seed": cfg.seed, "world_size": accelerator.num_processes,
@@ -283,25 +296,64 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     return report
 
 
-def save_draft(out: Path, algorithm: str, draft, state: dict, target, data_desc: dict) -> None:
-    """model.safetensors (the draft's own weights and d2t/t2d; no target embedding) + config.json."""
+def save_draft(out: Path, algorithm: str, draft, state: dict, target, data_desc: dict, steps: int) -> None:
+    """model.safetensors (the draft's own weights and d2t/t2d; no target embedding) + config.json
+    (the draft config, the target, the steps trained and the weights' sha256, checked on export)."""
+    from trainer.io import atomic_save_safetensors
+    from trainer.target import sha256_file
+
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    save_file(tensors, str(out / "model.safetensors.tmp"))
-    os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+    atomic_save_safetensors(out / "model.safetensors", tensors)  # the umask's mode, like every output
     atomic_write_json(out / "config.json", {
         "algorithm": algorithm, "draft": dataclasses.asdict(draft.config),
         "target": {"name": target.name, "path": target.path, "sha256": target.content_hash,
                    "num_layers": target.num_layers, "hidden_size": target.hidden_size,
                    "vocab_size": target.vocab_size},
-        "layer_id_convention": LAYER_ID_CONVENTION, "data": data_desc})
+        "layer_id_convention": LAYER_ID_CONVENTION, "data": data_desc, "steps": steps,
+        "weights_sha256": sha256_file(out / "model.safetensors"), "draft_sha256": config_digest(draft.config)})
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """checkpoints/checkpoint_<k>, oldest first. Only complete ones carry that name: a
+    checkpoint is written as .checkpoint_<k>.partial and renamed when every file is in."""
+    found = [p for p in (out / "checkpoints").glob("checkpoint_*") if p.is_dir() and p.name[11:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[11:]))
+
+
+def save_checkpoint(accelerator, out: Path, index: int, keep_last: int) -> None:
+    """accelerate's save_state (model, optimizer, scheduler, RNG, loop position) into a staging
+    folder, published as checkpoints/checkpoint_<index> by one rename once all ranks are done;
+    a kill at any moment leaves the newest complete checkpoint as `latest`. Keeps `keep_last`."""
+    import shutil
+
+    root = out / "checkpoints"
+    staging, final = root / f".checkpoint_{index}.partial", root / f"checkpoint_{index}"
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
+    faults.maybe_die(faults.TRAIN_IN_CHECKPOINT, index)  # tests: a kill inside the checkpoint write
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():  # an earlier run's checkpoint of the same index, superseded
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        for old in complete_checkpoints(out)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
 
 
 def _checkpoint_dir(out: Path, resume: str) -> str:
     if resume != "latest":
+        if not Path(resume, "model.safetensors").is_file() and not any(Path(resume).glob("pytorch_model*")):
+            raise DraftsmithError(f"resume={resume}: not a checkpoint folder (e.g. {out}/checkpoints/checkpoint_N); "
+                                  "pass resume=latest or an existing checkpoint")
         return resume
-    ckpts = sorted((out / "checkpoints").glob("checkpoint_*"), key=lambda p: int(p.name.split("_")[-1]))
+    ckpts = complete_checkpoints(out)
     if not ckpts:
-        raise DraftsmithError(f"resume=latest but '{out}/checkpoints' holds no checkpoint; drop resume to start fresh")
+        raise DraftsmithError(f"resume=latest but '{out}/checkpoints' holds no complete checkpoint; drop resume to "
+                              "start fresh")
     return str(ckpts[-1])
 
 
@@ -340,7 +392,7 @@ def format_report(r: dict) -> str:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(TrainConfig, argv, __doc__.splitlines()[0])
+    cfg = parse_args(TrainConfig, argv, __doc__, prog="recipes/train.py")
     report = run(cfg, argv)
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_report(report))

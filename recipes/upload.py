@@ -24,18 +24,21 @@ from recipes._common import one_line_errors
 def main(argv: list[str] | None = None) -> None:
     from export import hub
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("export_dir")
+    ap = argparse.ArgumentParser(prog="draftsmith upload", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("export_dir", help="the output folder of `draftsmith export` (with eval/report.json)")
     ap.add_argument("--repo", required=True, help="owner/name on the Hub")
     ap.add_argument("--dry-run", action="store_true", help="print the files and the card; no network")
-    ap.add_argument("--private", action="store_true")
+    ap.add_argument("--private", action="store_true", help="create the repo private")
     ap.add_argument("--exist-ok", action="store_true", help="add a commit to an existing repo")
     ap.add_argument("--revision", help="a branch to commit to (created if missing)")
     ap.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     ap.add_argument("--base-model", help="the target's Hub id, when the export names a local folder")
+    ap.add_argument("--allow-extra-files", action="store_true",
+                    help="also upload files added to the export after it was made (refused otherwise)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
 
-    plan = hub.plan_upload(args.export_dir, args.repo, args.base_model)
+    plan = hub.plan_upload(args.export_dir, args.repo, args.base_model, args.allow_extra_files)
     visibility = "private" if args.private else "public"
     print(f"upload plan: {args.export_dir} -> {args.repo} ({visibility}"
           + (f", branch {args.revision}" if args.revision else "") + ")")

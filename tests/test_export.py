@@ -112,9 +112,13 @@ def test_bf16_export_and_strict_reload(tmp_path, tiny_draft, tiny_target_dir, ti
         assert (out / name).stat().st_size == info["bytes"]
     assert {"config.json", "model.safetensors", "train_report.json", "provenance.json"} <= set(m["files"])
     assert formats.load_export(out, tiny_target) is not None
-    # one tensor renamed: strict loading names it
+    # one tensor renamed: the file no longer matches its sha256 in the manifest
     written["midlayer.mlp.up_proj.weightx"] = written.pop("midlayer.mlp.up_proj.weight")
     save_file(written, str(out / "model.safetensors"))
+    with pytest.raises(DraftsmithError, match=r"model.safetensors does not match its sha256"):
+        formats.load_export(out, tiny_target)
+    # and with the manifest rewritten to match, strict loading names the tensor
+    formats.write_manifest(out, {k: v for k, v in m.items() if k != "files"})
     with pytest.raises(DraftsmithError, match=r"missing \['midlayer.mlp.up_proj.weight'\].*unexpected"):
         formats.load_export(out, tiny_target)
 

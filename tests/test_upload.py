@@ -117,6 +117,9 @@ def test_no_token_and_unreachable_hub_are_one_line(tiny_export, no_token, monkey
     ("secret-content", "looks like a secret"),
     ("tampered", "does not match draftsmith_export.json"),
     ("local-target", "pass --base-model"),
+    ("edited-report", "does not match the sha256 `draftsmith eval` recorded"),
+    ("foreign-report", "was not written by `draftsmith eval` of this export"),
+    ("added-file", "holds files added after export: notes.md"),
 ])
 def test_refusals(tiny_export, tmp_path, no_token, capsys, damage, message):
     bad = tmp_path / "export"
@@ -134,9 +137,25 @@ def test_refusals(tiny_export, tmp_path, no_token, capsys, damage, message):
         (bad / "config.json").write_text((bad / "config.json").read_text().replace('"silu"', '"gelu"'))
     elif damage == "local-target":
         base = []
+    elif damage == "edited-report":  # a better τ typed in by hand must not reach a card
+        r = json.loads((bad / "eval" / "report.json").read_text())
+        r["tau"] = 4.2
+        (bad / "eval" / "report.json").write_text(json.dumps(r))
+    elif damage == "foreign-report":
+        shutil.copytree(bad / "eval", bad / "eval-copied")
+    elif damage == "added-file":
+        (bad / "notes.md").write_text("hello\n")
     with pytest.raises(SystemExit) as e:
         upload_recipe.main([str(bad), "--repo", "me/x", "--dry-run", *base])
     captured = capsys.readouterr()
     err = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert e.value.code == 2 and len(err) == 1 and message in err[0]
     assert TOKEN not in captured.err and "README.md" not in captured.out
+
+
+def test_added_files_upload_only_when_told(tiny_export, tmp_path, no_token, capsys):
+    bad = tmp_path / "export"
+    shutil.copytree(tiny_export, bad)
+    (bad / "notes.md").write_text("hello\n")
+    upload_recipe.main([str(bad), "--repo", "me/x", "--dry-run", "--allow-extra-files", *BASE])
+    assert "notes.md" in capsys.readouterr().out

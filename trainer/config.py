@@ -53,14 +53,50 @@ def _check_keys(schema: type, data: Any, where: str, prefix: str = "") -> None:
             _check_keys(sub, value, where, prefix=f"{full}.")
 
 
-def _parse_overrides(overrides: list[str]) -> dict:
+def _field_type(schema: type, dotted: str) -> str | None:
+    """The annotation (as written) of a dotted key of `schema`, None where it is not a
+    dataclass field (a free-form section such as train.draft)."""
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        f = _field_types(schema).get(part) if dataclasses.is_dataclass(schema) else None
+        if f is None:
+            return None
+        if i == len(parts) - 1:
+            return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        schema = _nested_schema(f)
+    return None
+
+
+def _parse_overrides(overrides: list[str], schema: type) -> dict:
+    """`key=value` items -> a nested dict. Values are YAML (numbers, booleans, lists), except
+    for string fields, which take the text as it is (a Jinja template, a path with brackets,
+    "true"); `null` still unsets an optional string. A value that is not YAML for a field
+    that is not a string is one line naming the key."""
+    import yaml
+
+    out: dict = {}
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' is not key=value (e.g. batch_size=8 or capture.dtype=bf16)")
-    try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))  # type: ignore[return-value]
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"overrides {overrides}: {err.msg if hasattr(err, 'msg') else err}") from None
+        key, raw = item.split("=", 1)
+        kind = _field_type(schema, key)
+        if kind in ("str", "str | None"):
+            value = None if kind == "str | None" and raw in ("null", "~", "None") else raw
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw else ""
+            except yaml.YAMLError as err:
+                first = str(err).splitlines()[0]
+                raise ConfigError(f"override '{key}': value {raw!r} is not valid YAML ({first}); quote it or fix "
+                                  "its syntax") from None
+        node = out
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{key}' conflicts with another override of '{part}'")
+        node[last] = value
+    return out
 
 
 def _merge(base: DictConfig, data: dict, where: str) -> DictConfig:
@@ -89,7 +125,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         _check_keys(schema, data, str(path))
         cfg = _merge(cfg, data, str(path))
     if overrides:
-        data = _parse_overrides(overrides)
+        data = _parse_overrides(overrides, schema)
         _check_keys(schema, data, "override")
         cfg = _merge(cfg, data, "override")
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -206,6 +242,8 @@ class CaptureConfig:
                 raise ConfigError(f"{key}={getattr(self, key)!r}; use one of {', '.join(_DTYPE_NAMES)}")
         if self.samples_per_shard < 1 or self.max_tokens_per_batch < 1 or self.draft_vocab_size < 1:
             raise ConfigError("samples_per_shard, max_tokens_per_batch and draft_vocab_size must be >= 1")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ConfigError(f"max_samples={self.max_samples}; use >= 1, or null for every prepared sample")
         from trainer.drafts import get
 
         if not self.drafts:
@@ -259,6 +297,10 @@ class TrainConfig:
                     "log_every", "max_length"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps={self.max_steps}; use >= 1, or null to train `epochs` full epochs")
+        if self.learning_rate <= 0 or self.warmup_steps < 0 or self.max_grad_norm < 0:
+            raise ConfigError("learning_rate must be > 0, warmup_steps and max_grad_norm >= 0")
 
 
 @dataclass

@@ -54,6 +54,20 @@ def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] 
     atomic_write_bytes(path, save(tensors, metadata=metadata))
 
 
+def ensure_dir(path: str | Path, what: str = "output_dir") -> Path:
+    """mkdir -p, or one line when the path cannot be a folder (a regular file in the way, no permission)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), path)
+        raise DraftsmithError(f"{what} '{path}' cannot be created: '{blocker}' is a file, not a folder; "
+                              "choose another path") from None
+    except OSError as err:
+        raise DraftsmithError(f"{what} '{path}' cannot be created: {err.strerror}; choose another path") from None
+    return path
+
+
 def fresh_output_dir(path: str | Path, overwrite: bool, what: str = "output_dir") -> Path:
     """A temp sibling of `path` to build into; `publish_dir` renames it into place.
 
@@ -62,7 +76,7 @@ def fresh_output_dir(path: str | Path, overwrite: bool, what: str = "output_dir"
     path = Path(path)
     if path.exists() and not overwrite:
         raise DraftsmithError(f"{what} '{path}' already exists; pass overwrite=true (or --overwrite) to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_dir(path.parent, what)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the published folder gets the usual mode
     return tmp

@@ -109,6 +109,10 @@ def resolve_target(spec: str) -> TargetSource:
         return TargetSource(name=name, path=path, kind="gguf")
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":  # every GGUF file starts with this magic
+                raise TargetError(f"target '{spec}' is named .gguf but is not a GGUF file (no GGUF header); pass a "
+                                  "real .gguf, an HF model folder or an embedded alias")
         return TargetSource(name=path.stem, path=path, kind="gguf")
     if path.is_dir() and (path / "config.json").is_file():
         return TargetSource(name=path.name, path=path, kind="hf")

@@ -10,6 +10,7 @@ This needs the template to be prefix-stable, which is checked per record.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -31,7 +32,13 @@ SKIP_REASONS = {
     "no_assistant": "no assistant turn with content to learn from",
     "too_long": "longer than max_length tokens",
     "template_not_prefix": "the chat template does not render this conversation prefix-stably",
+    "control_token": "a turn's text contains a special token of the tokenizer (it would forge a turn)",
+    "control_characters": "a turn's text contains control characters (NUL, escape, bidi overrides, ...)",
 }
+
+# C0 controls but tab, newline and carriage return; DEL; C1 controls; Unicode bidi embeddings,
+# overrides and isolates (the "Trojan Source" characters).
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 class BadRecord(Exception):
@@ -67,6 +74,9 @@ def normalize(record: object) -> list[dict[str, str]]:
             raise BadRecord("unknown_role", f"turn {k} has role {role!r}")
         if not isinstance(content, str):
             raise BadRecord("non_string_content", f"turn {k} content is {type(content).__name__}")
+        bad = _CONTROL.search(content)
+        if bad:
+            raise BadRecord("control_characters", f"turn {k} has U+{ord(bad.group()):04X} at character {bad.start()}")
         messages.append({"role": ROLE_ALIASES[role.lower()], "content": content})
     body = messages[1:] if messages[0]["role"] == "system" else messages
     if not body:
@@ -111,8 +121,31 @@ def assistant_char_spans(tokenizer, messages, chat_template=None) -> tuple[str, 
     return full, spans
 
 
+def special_strings(tokenizer) -> list[str]:
+    """Every string the tokenizer turns into a special token (its special and added special
+    tokens), longest first."""
+    found = set(tokenizer.all_special_tokens)
+    for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(token, "special", False):
+            found.add(str(token))
+    return sorted((t for t in found if t), key=len, reverse=True)
+
+
+def check_no_control_tokens(tokenizer, messages) -> None:
+    """Text must never become a control token: a turn containing `<|im_start|>system ...`
+    would be tokenized as a real turn boundary and train the draft on a forged turn.
+    Such records are skipped (reason control_token)."""
+    specials = special_strings(tokenizer)
+    for k, m in enumerate(messages):
+        hits = [(m["content"].find(t), t) for t in specials if t in m["content"]]
+        if hits:
+            at, token = min(hits)  # the first one in the text
+            raise BadRecord("control_token", f"turn {k} contains {token!r} at character {at}")
+
+
 def tokenize_chat(tokenizer, messages, max_length: int, chat_template=None) -> Tokenized:
     """Token ids of the rendered chat and the assistant loss mask; raises BadRecord."""
+    check_no_control_tokens(tokenizer, messages)
     full, spans = assistant_char_spans(tokenizer, messages, chat_template)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]

@@ -14,15 +14,42 @@ from trainer.errors import DataError
 FORMAT = "draftsmith-prepared-v1"
 
 
+SUMMARY_KEYS = ("format", "source", "kept", "target", "target_sha256", "records_read", "regenerated",
+                "chat_template_sha256")
+
+
 def load_prepared(path: str | Path):
-    """(datasets.Dataset, summary dict) of a prepare output folder."""
+    """(datasets.Dataset, summary dict) of a prepare output folder; one line naming the file
+    when the summary is broken or the data is missing, empty or unreadable."""
     from datasets import load_from_disk
 
     path = Path(path)
     summary_file = path / "summary.json"
     if not summary_file.is_file():
         raise DataError(f"'{path}' is not a prepared-data folder (no summary.json); run `draftsmith prepare` first")
-    summary = json.loads(summary_file.read_text())
+    try:
+        summary = json.loads(summary_file.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise DataError(f"{summary_file} is not valid JSON ({err}); run `draftsmith prepare` again") from None
+    if not isinstance(summary, dict):
+        raise DataError(f"{summary_file} must hold a JSON object; run `draftsmith prepare` again")
     if summary.get("format") != FORMAT:
         raise DataError(f"'{path}/summary.json' has format {summary.get('format')!r}, expected {FORMAT!r}")
-    return load_from_disk(str(path / "data")), summary
+    missing = [k for k in SUMMARY_KEYS if k not in summary]
+    if missing:
+        raise DataError(f"{summary_file} is incomplete (missing {', '.join(missing)}); run `draftsmith prepare` again")
+    data = path / "data"
+    if not (data / "dataset_info.json").is_file():
+        raise DataError(f"'{path}' has no prepared data ({data} is missing or incomplete); run `draftsmith prepare` "
+                        "again")
+    try:
+        ds = load_from_disk(str(data))
+    except Exception as err:  # datasets/pyarrow raise many kinds on a damaged folder
+        raise DataError(f"{data} is not a readable dataset ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+                        "run `draftsmith prepare` again") from None
+    need = {"input_ids", "loss_mask", "length"}
+    if need - set(ds.column_names):
+        raise DataError(f"{data} lacks columns {sorted(need - set(ds.column_names))}; run `draftsmith prepare` again")
+    if len(ds) == 0:
+        raise DataError(f"{data} holds no conversations; prepare from a source with usable chats")
+    return ds, summary

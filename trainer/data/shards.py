@@ -6,6 +6,7 @@ One shard holds the samples [k*S, (k+1)*S) of the prepared data, packed end to e
     loss_mask          uint8  [N]
     cu_seqlens         int64  [n + 1]     sample s is tokens cu_seqlens[s]:cu_seqlens[s+1]
     sample_index       int64  [n]         row in the prepared dataset
+    aux_layer_ids      int64  [L]         the stored layer ids (the manifest's, checked on read)
     aux_hidden_states  dtype  [N, L*H]    the manifest's aux_layer_ids (strictly increasing, entering-layer
                                           convention), concatenated in that order
     last_hidden_state  dtype  [N, H]      last decoder layer's output before the final norm
@@ -52,8 +53,13 @@ def pack_samples(samples: list[dict[str, torch.Tensor]], sample_index: list[int]
     }
 
 
-def write_shard(out_dir: Path, k: int, tensors: dict[str, torch.Tensor]) -> dict:
+def write_shard(out_dir: Path, k: int, tensors: dict[str, torch.Tensor], aux_layer_ids: list[int]) -> dict:
+    """The shard and its sidecar, both atomic, the sidecar last. The shard records the stored
+    layer ids as a tensor (`aux_layer_ids`, checked against the manifest on read; a tensor,
+    not metadata: safetensors writes a metadata map in no fixed order, and shards must be
+    byte-identical however many processes wrote them)."""
     path = Path(out_dir) / shard_name(k)
+    tensors = {**tensors, "aux_layer_ids": torch.tensor(aux_layer_ids, dtype=torch.int64)}
     atomic_save_safetensors(path, tensors, metadata={"format": FORMAT})
     entry = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size,
              "samples": int(tensors["sample_index"].numel()), "tokens": int(tensors["input_ids"].numel()),
@@ -68,7 +74,10 @@ def completed_shard(out_dir: Path, k: int) -> dict | None:
     side = path.with_suffix(".json")
     if not (path.is_file() and side.is_file()):
         return None
-    entry = json.loads(side.read_text())
+    try:
+        entry = json.loads(side.read_text())
+    except ValueError:  # a sidecar cut short: the shard is redone
+        return None
     return entry if entry.get("bytes") == path.stat().st_size and sha256_file(path) == entry.get("sha256") else None
 
 
@@ -82,12 +91,39 @@ class CaptureInfo:
         return self.manifest["aux_layer_ids"]
 
 
+# What every manifest must hold (a hand-edited or cut-short one is refused by name).
+MANIFEST_KEYS = ("format", "target", "layer_id_convention", "aux_layer_ids", "draft_layer_ids", "store_dtype",
+                 "samples", "tokens", "draft_vocab", "shards")
+TARGET_KEYS = ("name", "sha256", "num_layers", "hidden_size", "vocab_size")
+SHARD_KEYS = ("file", "sha256", "bytes", "samples", "tokens")
+
+
 def load_manifest(path: str | Path) -> CaptureInfo:
+    """The capture's manifest, parsed and complete (every key, the layer-id convention, ids
+    strictly increasing); one line naming the file and key otherwise. Shards are checked by
+    `verify_capture`."""
     path = Path(path)
     f = path / MANIFEST
+    if not path.is_dir():
+        raise DataError(f"capture '{path}' is not a folder; pass the output_dir of `draftsmith capture`")
     if not f.is_file():
         raise DataError(f"'{path}' is not a finished capture (no {MANIFEST}); run or resume `draftsmith capture`")
-    manifest = json.loads(f.read_text())
+    try:
+        manifest = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise DataError(f"{f} is not valid JSON ({err}); capture again or restore the file") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"{f} must hold a JSON object; capture again or restore the file")
+    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+    missing += [f"target.{k}" for k in TARGET_KEYS if k not in (manifest.get("target") or {})]
+    shards = manifest.get("shards")
+    if isinstance(shards, list):
+        missing += [f"shards[{i}].{k}" for i, e in enumerate(shards) for k in SHARD_KEYS
+                    if not isinstance(e, dict) or k not in e]
+    if missing:
+        raise DataError(f"{f} is incomplete: missing {', '.join(missing[:5])}; capture again or restore the file")
+    if not isinstance(shards, list) or not shards:
+        raise DataError(f"{f}: 'shards' lists no shard; capture again")
     if manifest.get("format") != FORMAT:
         raise DataError(f"{f}: format {manifest.get('format')!r}, expected {FORMAT!r}; capture again with this version")
     if manifest.get("layer_id_convention") != LAYER_ID_CONVENTION:
@@ -113,14 +149,55 @@ def layer_columns(stored: list[int], wanted: list[int], hidden_size: int) -> tor
 
 
 def verify_capture(path: str | Path) -> CaptureInfo:
-    """Check every shard's sha256 against the manifest; one clear line on the first mismatch."""
+    """Check a capture where it is consumed (train, inspect-capture): the manifest is complete,
+    every shard is there with its size and sha256 (each file hashed once), readable, holds
+    the tensors of the layers the manifest names (its own record of the stored ids agrees,
+    and the state widths are len(ids) x H and H), and draft_vocab.safetensors is there and
+    fits the target's vocabulary. One clear line on the first problem."""
     info = load_manifest(path)
-    for entry in info.manifest["shards"]:
+    m, where = info.manifest, f"capture '{info.path}'"
+    H, ids = m["target"]["hidden_size"], m["aux_layer_ids"]
+    samples = 0
+    for entry in m["shards"]:
         p = info.path / entry["file"]
         if not p.is_file():
-            raise DataError(f"capture '{info.path}': shard {entry['file']} is missing")
-        if sha256_file(p) != entry["sha256"]:
-            raise DataError(f"capture '{info.path}': shard {entry['file']} does not match its sha256 in {MANIFEST}")
+            raise DataError(f"{where}: shard {entry['file']} is missing; capture again (resume keeps intact shards)")
+        if p.stat().st_size != entry["bytes"] or sha256_file(p) != entry["sha256"]:
+            raise DataError(f"{where}: shard {entry['file']} does not match its size/sha256 in {MANIFEST} "
+                            "(changed or truncated); capture again")
+        try:
+            with safe_open(p, "pt") as f:
+                keys = set(f.keys())
+                stored = f.get_tensor("aux_layer_ids").tolist() if "aux_layer_ids" in keys else ids
+                widths = {k: f.get_slice(k).get_shape() for k in ("aux_hidden_states", "last_hidden_state")
+                          if k in keys}
+        except Exception as err:  # safetensors raises its own error types on a damaged header
+            raise DataError(f"{where}: shard {entry['file']} is not readable safetensors ({err}); capture again") \
+                from None
+        need = {"input_ids", "loss_mask", "cu_seqlens", "aux_hidden_states", "last_hidden_state"}
+        if need - keys:
+            raise DataError(f"{where}: shard {entry['file']} lacks {sorted(need - keys)}; capture again")
+        if stored != ids:
+            raise DataError(f"{where}: {MANIFEST} says aux_layer_ids {ids} but shard {entry['file']} stores "
+                            f"{stored}; the manifest was edited: restore it or capture again")
+        if widths["aux_hidden_states"][-1] != len(ids) * H or widths["last_hidden_state"][-1] != H:
+            raise DataError(f"{where}: shard {entry['file']} holds states {widths['aux_hidden_states'][-1]} wide, "
+                            f"but {len(ids)} layer ids x H={H} = {len(ids) * H}; the manifest does not describe it")
+        samples += entry["samples"]
+    if samples != m["samples"]:
+        raise DataError(f"{where}: the shards hold {samples} samples, {MANIFEST} says {m['samples']}; capture again")
+    vocab = info.path / DRAFT_VOCAB
+    if not vocab.is_file():
+        raise DataError(f"{where}: {DRAFT_VOCAB} is missing (the draft vocabulary); capture again")
+    try:
+        with safe_open(vocab, "pt") as f:
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    except Exception as err:
+        raise DataError(f"{where}: {DRAFT_VOCAB} is not readable ({err}); capture again") from None
+    V = m["target"]["vocab_size"]
+    if shapes.get("t2d") != [V] or shapes.get("counts") != [V] or shapes.get("d2t") != [m["draft_vocab"]["size"]]:
+        raise DataError(f"{where}: {DRAFT_VOCAB} does not fit the manifest (d2t [{m['draft_vocab']['size']}], "
+                        f"t2d and counts [{V}]; found {shapes}); capture again")
     return info
 
 

@@ -89,13 +89,23 @@ def iter_json_array(text: str, report: ReadReport, limit: int | None) -> Iterato
         index += 1
 
 
+def not_utf8(path: Path, err: UnicodeDecodeError, offset: int = 0, line: int | None = None) -> DataError:
+    where = f"line {line}, " if line is not None else ""
+    return DataError(f"{path}: not UTF-8 ({where}byte {offset + err.start}: {err.reason}); convert the file to UTF-8")
+
+
 def iter_jsonl(path: Path, report: ReadReport, limit: int | None) -> Iterator[tuple[int, object]]:
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        index = 0
-        for lineno, line in enumerate(f, 1):
+    with opener(path, "rb") as f:
+        index, offset = 0, 0
+        for lineno, raw in enumerate(f, 1):
             if limit is not None and index >= limit:
                 return
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise not_utf8(path, err, offset, lineno) from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -115,7 +125,11 @@ def read_chats(source: str, limit: int | None = None) -> tuple[Iterator[tuple[in
     name = path.name.removesuffix(".gz")
     if name.endswith(".jsonl") or source.startswith("jsonl:"):
         return iter_jsonl(path, report, limit), report
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise not_utf8(path, err) from None
     if text.lstrip().startswith("["):
         return iter_json_array(text, report, limit), report
     try:  # a single JSON object holding a list under a common key

@@ -71,6 +71,32 @@ class TrainStep(nn.Module):
         return self._step(self.draft, batch, labels)
 
 
+def config_digest(cfg) -> str:
+    """sha256 of a draft config (dataclass or its dict), as recorded in a trained draft's
+    config.json: a hand-edited draft section (other layer ids, say) is refused on load."""
+    import dataclasses
+    import hashlib
+
+    d = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def check_draft_dir(path: Path, cfg: dict) -> None:
+    """A trained draft folder's weights and draft section are what training wrote (their
+    sha256 in config.json), and it trained at least one step."""
+    from trainer.target import sha256_file
+
+    if cfg.get("steps") == 0:
+        raise DraftsmithError(f"'{path}' was trained for 0 steps: its weights are the initialization; train it "
+                              "(max_steps >= 1) first")
+    if cfg.get("draft_sha256") and config_digest(cfg["draft"]) != cfg["draft_sha256"]:
+        raise DraftsmithError(f"{path}/config.json: the 'draft' section was changed after training (its sha256 "
+                              "differs); restore it or train again")
+    if cfg.get("weights_sha256") and sha256_file(path / "model.safetensors") != cfg["weights_sha256"]:
+        raise DraftsmithError(f"{path}/model.safetensors does not match the sha256 recorded in config.json "
+                              "(changed after training?); restore it or train again")
+
+
 def load_draft(path: str | Path, target):
     """A trained draft folder (recipes/train.py output) -> (algorithm, its module) on the
     target's device, sharing the target's embedding. The folder must have been trained
@@ -80,7 +106,11 @@ def load_draft(path: str | Path, target):
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise DraftsmithError(f"'{path}' is not a trained draft (needs config.json and model.safetensors)")
-    cfg = json.loads((path / "config.json").read_text())
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except ValueError as err:
+        raise DraftsmithError(f"{path}/config.json is not valid JSON ({err}); train again") from None
+    check_draft_dir(path, cfg)
     if cfg.get("algorithm") not in DRAFTS:
         raise DraftsmithError(f"{path}/config.json: algorithm {cfg.get('algorithm')!r} is not one of {', '.join(DRAFTS)}")
     if cfg["target"]["sha256"] != target.content_hash:
