@@ -123,10 +123,12 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
                 input_ids, attention_mask = right_pad([ids[i] for i in batch], pad)  # [B, T]
                 states = capture_batch(target, input_ids, attention_mask, layer_ids, store_dtype)
                 aux, last = states["aux_hidden_states"].cpu(), states["last_hidden_state"].cpu()
+                argmax = states["target_argmax"].cpu()
                 for r, i in enumerate(batch):
                     T = len(ids[i])
                     samples[i] = {"input_ids": torch.tensor(ids[i]), "loss_mask": torch.tensor(masks[i]),
-                                  "aux_hidden_states": aux[r, :T], "last_hidden_state": last[r, :T]}
+                                  "aux_hidden_states": aux[r, :T], "last_hidden_state": last[r, :T],
+                                  "target_argmax": argmax[r, :T]}
                     tokens_done += T
                     bar.update(T)
                 batches_run += 1
@@ -162,8 +164,8 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
             "samples": n, "tokens": tokens, "loss_tokens": sum(e["loss_tokens"] for e in entries),
             "bytes_per_token": {
                 "on_disk": sum(e["bytes"] for e in entries) / tokens,
-                # hidden states (L*H + H) in store dtype, int32 id, uint8 mask
-                "expected": width * torch.finfo(store_dtype).bits / 8 + 4 + 1,
+                # hidden states (L*H + H) in store dtype, int32 id, uint8 mask, int32 target argmax
+                "expected": width * torch.finfo(store_dtype).bits / 8 + 4 + 1 + 4,
             },
             "draft_vocab": {"file": DRAFT_VOCAB, "size": int(d2t.numel()), "coverage": coverage(counts, t2d)},
             "shards": entries,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -195,7 +196,9 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
     algo = get(cfg.algorithm)
 
     # The frozen target: its embedding feeds the draft; its head gives the training targets.
-    target = load_target(cfg.target, "float32" if accelerator.device.type == "cpu" else "bfloat16", accelerator.device)
+    # Offline, only the embedding, final norm and LM head are read: the decoder layers are never loaded.
+    target = load_target(cfg.target, "float32" if accelerator.device.type == "cpu" else "bfloat16", accelerator.device,
+                         head_only=not cfg.online)
     dataset, aux_ids, d2t, t2d, counts, data_desc = load_data(cfg, target)
     draft_cfg = dataclasses.replace(cfg.draft).fill_from_target(target.model.config.get_text_config(), aux_ids,
                                                                  int(d2t.numel()))
@@ -243,8 +246,10 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
                 from trainer.capture import capture_batch
 
                 batch.update(capture_batch(target, batch["input_ids"], batch["attention_mask"], aux_ids))
+            # per-position accuracy (and so simulated τ) is measured on the steps that are logged
+            logged = (progress.step + 1) % cfg.log_every == 0 or progress.step + 1 == total_steps
             with accelerator.accumulate(model):
-                labels = algo.target_labels(target, batch, draft)  # no grad
+                labels = algo.target_labels(target, batch, draft, with_accuracy=logged)  # no grad
                 with accelerator.autocast():
                     metrics = model(batch, labels)
                 accelerator.backward(metrics.loss)
@@ -282,7 +287,8 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
               "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
               "algorithm": cfg.algorithm, "effective": effective, "total_steps": total_steps,
               "tokens": tokens,  # non-padding tokens of the samples trained on, all processes
-              "seconds": time.perf_counter() - t0}
+              "seconds": time.perf_counter() - t0,
+              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # this process
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards; every rank must call it
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model).draft

@@ -1,11 +1,16 @@
-"""Benchmark: EAGLE-3 training throughput.
+"""Benchmark: draft training throughput of the recipe's real step.
 
-    .venv/bin/python scripts/bench_train.py --capture runs/demo/capture [--steps 6]
+    .venv/bin/python scripts/bench_train.py --capture runs/cmp/capture [--steps 24] [--algorithm eagle3]
+    .venv/bin/python scripts/bench_train.py --capture runs/cmp/capture --vary draft.train_lm_head=true,false
     .venv/bin/python scripts/bench_train.py --shape 8b            (needs a GPU: an 8B-shaped draft)
 
-1. SmolLM2 (CPU): training tokens/s and peak memory of the real training step on a
-   capture, against the forward+backward of the draft's dense layers alone on the
-   same tokens (the floor the TTT unroll adds attention and bookkeeping to).
+1. SmolLM2 (CPU): `recipes/train.py` itself, in a subprocess per run (the real loop: labels,
+   forward, backward, clipping, optimizer and scheduler steps under accelerate), on the same
+   capture samples in the same order; `--vary KEY=A,B` alternates runs of the variants
+   (A, B, A, B, ...). Tokens counted: the non-padding tokens of the samples trained on
+   (train_report.json `tokens`) over the loop's wall time (`seconds`, the first step's
+   warm-up included); peak RSS: the training process's own (`peak_rss_mib`). Prints each
+   run, the median per variant and the ratio to the first variant, measured in this run.
 2. 8B-shaped draft (H=4096, I=14336, 32/8 heads, Vd=32000, T=2048, K=7) on random
    features: achieved TFLOP/s and MFU against the device's peak (goal on an H200: >= 40%).
 """
@@ -13,14 +18,21 @@
 from __future__ import annotations
 
 import argparse
-import resource
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from trainer.drafts import get
 
 eagle3 = get("eagle3")  # the draft contract (trainer/drafts/__init__.py)
+REPO = Path(__file__).resolve().parent.parent
 
 # Dense bf16 peak TFLOP/s by device name (vendor datasheets).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.0, "MI325X": 1307.0, "MI355X": 2300.0, "A100": 312.0}
@@ -49,45 +61,44 @@ def run_steps(draft, batch, labels, steps, optimizer) -> float:
     return time.perf_counter() - t0
 
 
-def bench_smollm2(capture: str, steps: int, K: int) -> None:
-    from recipes.train import load_data
-    from trainer.config import TrainConfig
-    from trainer.data.collate import collate
-    from trainer.target import load_target
+def recipe_run(capture: str, algorithm: str, steps: int, threads: int, overrides: list[str]) -> dict:
+    """One `recipes/train.py` run in its own process -> its train_report.json."""
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        out = Path(tmp) / "draft"
+        cmd = [sys.executable, str(REPO / "recipes" / "train.py"), "--config",
+               str(REPO / "recipes" / "configs" / "smollm2-135m" / f"{algorithm}.yaml"), f"data={capture}",
+               f"output_dir={out}", f"max_steps={steps}", "epochs=1000", "batch_size=1",
+               "gradient_accumulation_steps=1", f"log_every={steps}", "save_every=1000000", *overrides]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        if r.returncode != 0:
+            raise SystemExit(f"recipes/train.py failed ({' '.join(overrides)}):\n{r.stderr[-3000:]}")
+        return json.loads((out / "train_report.json").read_text())
 
-    target = load_target("smollm2-135m-instruct")
-    cfg = TrainConfig(data=capture, output_dir="-", max_length=1024)
-    ds, ids, d2t, t2d, _, _ = load_data(cfg, target)
-    dcfg = eagle3.Config(ttt_steps=K).fill_from_target(target.model.config, ids, int(d2t.numel()))
-    draft = eagle3.Draft(dcfg, target.backbone.embed_tokens)
-    draft.set_vocab(d2t, t2d)
-    opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)
-    batches = [collate([ds[i]]) for i in range(min(steps, len(ds)))]
-    labels = [eagle3.target_labels(target, b, draft) for b in batches]
-    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    run_steps(draft, batches[0], labels[0], 1, opt)  # warm-up
-    t0 = time.perf_counter()
-    for b, p in zip(batches, labels):
-        run_steps(draft, b, p, 1, opt)
-    train_s = time.perf_counter() - t0
-    # Baseline: the same dense layers fwd+bwd once per TTT step, without the unroll's attention.
-    t0 = time.perf_counter()
-    for b in batches:
-        x = draft.fc(b["aux_hidden_states"])
-        loss = 0
-        for _ in range(K):
-            h = torch.cat([x, x], -1)
-            a = draft.midlayer.self_attn.o_proj(draft.midlayer.self_attn.q_proj(h))
-            loss = loss + draft.lm_head(draft.midlayer.mlp(a)).float().logsumexp(-1).mean()
-        loss.backward()
-        opt.zero_grad()
-    dense_s = time.perf_counter() - t0
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"SmolLM2 EAGLE-3 (H={dcfg.hidden_size}, Vd={dcfg.draft_vocab_size}, K={K}), {len(batches)} samples, "
-          f"{tokens:,} tokens, {torch.get_num_threads()} threads")
-    print(f"  training step      {tokens / train_s:8.0f} tokens/s")
-    print(f"  dense layers only  {tokens / dense_s:8.0f} tokens/s   ratio train/dense time {train_s / dense_s:.2f}")
-    print(f"  peak RSS {peak_mb:,.0f} MiB")
+
+def bench_recipe(capture: str, algorithm: str, steps: int, repeats: int, vary: str | None, threads: int) -> None:
+    variants = [[]]
+    if vary:
+        key, values = vary.split("=", 1)
+        variants = [[f"{key}={v}"] for v in values.split(",")]
+    runs = {tuple(v): [] for v in variants}
+    for _ in range(repeats):  # alternating: the machine's drift hits every variant alike
+        for v in variants:
+            r = recipe_run(capture, algorithm, steps, threads, v)
+            runs[tuple(v)].append(r)
+            f = r["final"]
+            print(f"  {' '.join(v) or 'default':<32} {r['tokens'] / r['seconds']:8.0f} tokens/s  "
+                  f"peak RSS {r['peak_rss_mib']:7.0f} MiB  loss {f.get('loss', float('nan')):.4f}  "
+                  f"simulated τ {f.get('tau', float('nan')):.3f}", flush=True)
+    print(f"\n{algorithm} via recipes/train.py on {capture}: {steps} steps x batch 1 per run, {threads} threads, "
+          f"{repeats} alternating runs per variant; tokens = non-padding tokens trained on")
+    base = None
+    for v, rs in runs.items():
+        tps = statistics.median(r["tokens"] / r["seconds"] for r in rs)
+        rss = max(r["peak_rss_mib"] for r in rs)
+        base = base or tps
+        print(f"  {' '.join(v) or 'default':<32} median {tps:8.0f} tokens/s ({tps / base:.2f}x the first)  "
+              f"peak RSS {rss:7.0f} MiB")
 
 
 def bench_8b(steps: int, K: int, T: int) -> None:
@@ -124,12 +135,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--capture", default="runs/demo/capture")
     ap.add_argument("--shape", choices=["smollm2", "8b", "all"], default="all")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--algorithm", default="eagle3", help="eagle3, dflash or dspark (recipes/configs/smollm2-135m/)")
+    ap.add_argument("--steps", type=int, default=24, help="optimizer steps per recipe run (8B shape: timed steps)")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs per variant")
+    ap.add_argument("--vary", help="KEY=A,B: one recipe override, its variants compared (e.g. draft.ttt_steps=3,7)")
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--seq-len", type=int, default=2048)
     args = ap.parse_args()
     if args.shape in ("smollm2", "all"):
-        bench_smollm2(args.capture, args.steps, args.ttt_steps)
+        bench_recipe(args.capture, args.algorithm, args.steps, args.repeats, args.vary, args.threads)
     if args.shape in ("8b", "all"):
         bench_8b(args.steps, args.ttt_steps, args.seq_len)
 

@@ -74,6 +74,12 @@ def test_online_states_equal_the_shards(tmp_path, prepared, tiny_target_dir, tin
         T = len(seqs[r])
         torch.testing.assert_close(online["aux_hidden_states"][r, :T], reader[r]["aux_hidden_states"],
                                    atol=1e-2, rtol=1e-2)
+    # the greedy token stored with the states is the target's own argmax over its full logits
+    logits = tiny_target.forward(ids, mask).logits
+    for r in range(4):
+        T = len(seqs[r])
+        assert torch.equal(reader[r]["target_argmax"].long(), logits[r, :T].argmax(-1))
+        assert torch.equal(online["target_argmax"][r, :T].long(), logits[r, :T].argmax(-1))
 
 
 def test_token_budget_batches_cover_every_sample_once():

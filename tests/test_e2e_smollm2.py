@@ -63,9 +63,9 @@ def test_demo_prints_and_writes_a_capture(demo_run):
     assert m["draft_layer_ids"] == {"eagle3": [2, 15, 27], "dflash": [2, 9, 15, 21, 28], "dspark": [2, 9, 15, 21, 28]}
     assert m["layer_id_convention"] == "entering-layer"
     assert m["store_dtype"] == "bfloat16"
-    # 6 aux layers + the last layer, H=576, bf16, plus int32 id and uint8 mask = 8069 bytes a token
-    assert m["bytes_per_token"]["expected"] == 7 * 576 * 2 + 5
-    assert m["bytes_per_token"]["on_disk"] == pytest.approx(8069, rel=0.01)
+    # 6 aux layers + the last layer, H=576, bf16, plus int32 id, uint8 mask, int32 greedy token = 8073 bytes a token
+    assert m["bytes_per_token"]["expected"] == 7 * 576 * 2 + 9
+    assert m["bytes_per_token"]["on_disk"] == pytest.approx(8073, rel=0.01)
     s = json.loads((demo_run / "prepared" / "summary.json").read_text())
     assert s["records_read"] == 100 and s["kept"] >= 16
     assert s["skipped"].get("leading_assistant", 0) > 0  # the packaged ShareGPT has them

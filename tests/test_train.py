@@ -2,6 +2,7 @@
 equivalent to a larger batch, and several processes equal one: 2 x batch 1 under DDP ==
 1 x batch 2, and DeepSpeed ZeRO-2 == DDP (same per-step loss and LR, weights within 2e-5)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -211,3 +212,46 @@ def test_online_training_equals_offline_training_on_an_fp32_capture(tmp_path, ti
     assert torch.equal(won["d2t"], woff["d2t"])
     for k in won:
         torch.testing.assert_close(won[k], woff[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_head_only_target_gives_the_full_targets_labels(tiny_capture, tiny_target_dir, tiny_target):
+    """Offline training loads only the embedding, final norm and LM head; the labels it makes
+    (EAGLE-3: the draft-vocabulary softmax from the head's draft rows) equal the full
+    target's full-vocabulary logits restricted to the draft columns and softmaxed."""
+    from trainer.data.collate import collate
+    from trainer.data.shards import CaptureReader
+    from trainer.drafts import build, get
+    from trainer.target import load_target
+
+    head = load_target(str(tiny_target_dir), head_only=True)
+    assert head.head_only and not tiny_target.head_only
+    assert head.backbone.layers[0].self_attn.q_proj.weight.is_meta  # the decoder layers are never loaded
+    for a, b in ((head.backbone.embed_tokens, tiny_target.backbone.embed_tokens),
+                 (head.backbone.norm, tiny_target.backbone.norm), (head.model.lm_head, tiny_target.model.lm_head)):
+        assert torch.equal(a.weight, b.weight)
+    eagle3 = get("eagle3")
+    reader = CaptureReader(tiny_capture)
+    batch = collate([reader[0], reader[1]])
+    cfg = eagle3.Config(ttt_steps=2).fill_from_target(head.model.config, reader.info.aux_layer_ids, 64)
+    draft = build("eagle3", dataclasses.asdict(cfg), head)
+    vocab = load_file(tiny_capture / "draft_vocab.safetensors")
+    draft.set_vocab(vocab["d2t"], vocab["t2d"])
+    labels = eagle3.target_labels(head, batch, draft)
+    full = tiny_target.logits_from_last_hidden(batch["last_hidden_state"])  # [B, T, V]
+    torch.testing.assert_close(labels["p"], full[..., draft.draft_to_target()].softmax(-1))
+    real = batch["attention_mask"].bool()
+    assert torch.equal(labels["in_vocab"][real], draft.t2d[full.argmax(-1)][real])  # from the captured argmax
+    old = {k: v for k, v in batch.items() if k != "target_argmax"}  # a capture made before it was stored
+    assert torch.equal(eagle3.target_labels(head, old, draft)["in_vocab"], draft.t2d[full.argmax(-1)])
+    assert eagle3.target_labels(head, old, draft, with_accuracy=False)["in_vocab"] is None
+    with pytest.raises(Exception, match="head-only"):
+        head.forward(batch["input_ids"])
+
+
+def test_a_frozen_lm_head_is_the_targets_rows_and_stays(tmp_path, tiny_capture, tiny_target_dir, tiny_target):
+    train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / "f", "max_steps=3", "draft.train_lm_head=false"))
+    w = load_file(tmp_path / "f" / "model.safetensors")
+    rows = tiny_target.model.lm_head.weight[torch.arange(w["d2t"].numel()) + w["d2t"]]
+    assert torch.equal(w["lm_head.weight"], rows)  # copied at the start, never updated
+    train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / "t", "max_steps=3"))
+    assert not torch.equal(load_file(tmp_path / "t" / "model.safetensors")["lm_head.weight"], rows)

@@ -44,15 +44,19 @@ def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 @torch.no_grad()
 def capture_batch(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_layer_ids: Sequence[int],
-                  dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Aux and last pre-norm hidden states of a padded batch, on the target's device.
+                  dtype: torch.dtype | None = None, chunk: int = 1024) -> dict[str, torch.Tensor]:
+    """Aux and last pre-norm hidden states of a padded batch, on the target's device, and
+    the target's greedy next token at every position (from the full-precision state, `chunk`
+    positions of [V] logits at a time): what training's accuracy and the block drafts'
+    greedy labels need, computed once here instead of every epoch.
 
     input_ids, attention_mask: [B, T]. Returns aux_hidden_states [B, T, L*H] and
-    last_hidden_state [B, T, H], cast to `dtype` when given.
+    last_hidden_state [B, T, H], cast to `dtype` when given; target_argmax [B, T] int32.
     """
     out = target.forward(input_ids.to(target.device), attention_mask.to(target.device),
                          aux_layer_ids=aux_layer_ids, return_logits=False)
     aux, last = out.aux_hidden_states, out.last_hidden_state
+    argmax = torch.cat([target.logits_from_last_hidden(h).argmax(-1) for h in last.split(chunk, dim=1)], 1)
     if dtype is not None:
         aux, last = aux.to(dtype), last.to(dtype)
-    return {"aux_hidden_states": aux, "last_hidden_state": last}
+    return {"aux_hidden_states": aux, "last_hidden_state": last, "target_argmax": argmax.to(torch.int32)}

@@ -222,11 +222,17 @@ class Target:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self.backbone.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return self.backbone.embed_tokens.weight.dtype
+
+    @property
+    def head_only(self) -> bool:
+        """Loaded with only the embedding, final norm and LM head (`load_target(head_only=True)`):
+        enough for offline training, which never runs the decoder layers."""
+        return self.backbone.layers[0].mlp.down_proj.weight.is_meta if len(self.backbone.layers) else False
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -262,6 +268,9 @@ class Target:
         cache=None,  # a transformers Cache to read and extend (decoding)
         position_ids: torch.Tensor | None = None,  # [B, T]
     ) -> TargetOutput:
+        if self.head_only:
+            raise TargetError(f"target {self.name} was loaded head-only (embedding, norm, LM head) and cannot run "
+                              "its layers; load it in full")
         self.check_layer_ids(aux_layer_ids)
         states: dict[int, torch.Tensor] = {}
         hooks = []
@@ -289,8 +298,45 @@ class Target:
         return TargetOutput(logits=logits, aux_hidden_states=aux, last_hidden_state=last)
 
 
-def load_target(spec: str, dtype: str = "float32", device: str | torch.device = "cpu") -> Target:
-    """Load a target by embedded alias, HF directory or GGUF file; frozen, eval mode."""
+def _load_head_only(hf_dir: Path, dtype: torch.dtype, device):
+    """The model with only its token embedding, final norm and LM head materialized, every
+    decoder layer left on the meta device (no memory): read tensor by tensor from the
+    safetensors files. None when the files do not name those tensors as the model does."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    names = {m: n for n, m in model.named_modules()}
+    wanted = [f"{names[model.get_input_embeddings()]}.weight", f"{names[model.get_decoder().norm]}.weight"]
+    head = model.get_output_embeddings()
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    if not tied:
+        wanted.append(f"{names[head]}.weight")
+    found = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for key in wanted:
+                if key in st.keys():
+                    found[key] = st.get_tensor(key)
+    if set(found) != set(wanted):
+        return None
+    for key, value in found.items():
+        set_module_tensor_to_device(model, key, device, value=value.to(dtype))
+    if tied:
+        head.weight = model.get_input_embeddings().weight
+    return model
+
+
+def load_target(spec: str, dtype: str = "float32", device: str | torch.device = "cpu",
+                head_only: bool = False) -> Target:
+    """Load a target by embedded alias, HF directory or GGUF file; frozen, eval mode.
+    head_only: only the embedding, final norm and LM head (what offline training reads), the
+    decoder layers never materialized; falls back to the full model when the weight files
+    name those tensors otherwise."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_target(spec)
@@ -298,10 +344,11 @@ def load_target(spec: str, dtype: str = "float32", device: str | torch.device = 
     hf_dir = gguf_to_hf_dir(source, digest) if source.kind == "gguf" else source.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=parse_dtype(dtype))
+        model = _load_head_only(Path(hf_dir), parse_dtype(dtype), device) if head_only else None
+        if model is None:  # in full (asked for, or the files name the head tensors otherwise)
+            model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=parse_dtype(dtype)).to(device)
     except (OSError, ValueError) as err:
         raise TargetError(f"target '{spec}' ({hf_dir}) failed to load: {str(err).splitlines()[0]}") from None
-    model.to(device)
     target = Target(model, tokenizer, name=source.name, path=str(source.path), digest=digest, hf_dir=str(hf_dir))
     target.license = read_license(source)
     return target

@@ -34,7 +34,8 @@ class PreparedSamples(Dataset):
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample: input_ids/loss_mask/attention_mask [B, T], states [B, T, D]."""
+    """Right-pad to the longest sample: input_ids/loss_mask/attention_mask [B, T], target_argmax
+    [B, T] (when captured), states [B, T, D]."""
     T = max(s["input_ids"].shape[0] for s in samples)
     B = len(samples)
     out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.long),
@@ -42,8 +43,12 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     for name in ("aux_hidden_states", "last_hidden_state"):
         if name in samples[0]:
             out[name] = torch.zeros(B, T, samples[0][name].shape[-1], dtype=torch.float32)
+    if "target_argmax" in samples[0]:
+        out["target_argmax"] = torch.full((B, T), -1, dtype=torch.long)  # the target's greedy token; -1: padding
     for r, s in enumerate(samples):
         n = s["input_ids"].shape[0]
+        if "target_argmax" in s:
+            out["target_argmax"][r, :n] = s["target_argmax"].long()
         out["input_ids"][r, :n] = s["input_ids"].long()
         out["loss_mask"][r, :n] = s["loss_mask"].long()
         out["attention_mask"][r, :n] = 1

@@ -10,6 +10,7 @@ One shard holds the samples [k*S, (k+1)*S) of the prepared data, packed end to e
     aux_hidden_states  dtype  [N, L*H]    the manifest's aux_layer_ids (strictly increasing, entering-layer
                                           convention), concatenated in that order
     last_hidden_state  dtype  [N, H]      last decoder layer's output before the final norm
+    target_argmax      int32  [N]         the target's greedy next token (from the full-precision state)
 
 A shard is complete when `<shard>.json` (its sha256 and counts) exists beside it;
 both are written atomically, the sidecar last, so a killed capture never leaves a
@@ -50,6 +51,7 @@ def pack_samples(samples: list[dict[str, torch.Tensor]], sample_index: list[int]
         "sample_index": torch.tensor(sample_index, dtype=torch.int64),  # [n]
         "aux_hidden_states": torch.cat([s["aux_hidden_states"] for s in samples]).contiguous(),  # [N, L*H]
         "last_hidden_state": torch.cat([s["last_hidden_state"] for s in samples]).contiguous(),  # [N, H]
+        "target_argmax": torch.cat([s["target_argmax"] for s in samples]).to(torch.int32),  # [N]
     }
 
 
@@ -212,9 +214,11 @@ class CaptureReader:
             if layer_ids is not None else None
         self._index: list[tuple[int, int]] = []  # global sample -> (shard, row)
         self._cu: list[torch.Tensor] = []
+        self._names: list[set[str]] = []
         for k, entry in enumerate(self.info.manifest["shards"]):
             with safe_open(self.info.path / entry["file"], "pt") as f:
                 cu = f.get_tensor("cu_seqlens")
+                self._names.append(set(f.keys()))
             self._cu.append(cu)
             self._index += [(k, r) for r in range(cu.numel() - 1)]
 
@@ -226,8 +230,9 @@ class CaptureReader:
         a, b = int(self._cu[k][r]), int(self._cu[k][r + 1])
         out = {}
         with safe_open(self.info.path / self.info.manifest["shards"][k]["file"], "pt") as f:
-            for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
-                out[name] = f.get_slice(name)[a:b]
+            for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "target_argmax"):
+                if name in self._names[k]:  # target_argmax: captures made before it was stored lack it
+                    out[name] = f.get_slice(name)[a:b]
         if self._columns is not None:
             out["aux_hidden_states"] = out["aux_hidden_states"][:, self._columns]  # [T, L'*H]
         return out

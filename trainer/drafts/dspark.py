@@ -222,7 +222,7 @@ def _slot_losses(draft, hn, prev, target, target_p, target_outside, p_row):
 
 
 @torch.no_grad()
-def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512) -> dict:
+def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512, with_accuracy: bool = True) -> dict:
     """DFlash's random anchors (the global RNG: seeded, restored on resume) and the target's
     next-token distribution at the positions the loss reads (anchor + k for every slot of a
     valid block), computed once per distinct position from the captured pre-norm last state,
@@ -256,6 +256,8 @@ def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512) -> 
             outside.append(p.new_zeros(p.shape[0]))
         probs.append(p)
     V = draft.config.draft_vocab_size or draft.config.vocab_size
+    if batch.get("target_argmax") is not None:  # the capture's, from the full-precision state
+        greedy = batch["target_argmax"].long().reshape(-1)
     return {"anchors": anchors, "valid": valid, "target_row": target_row, "target_ids": greedy.view(B, T),
             "target_p": torch.cat(probs) if probs else states.new_zeros(0, V),
             "target_outside": torch.cat(outside) if outside else states.new_zeros(0)}

@@ -66,6 +66,9 @@ class Eagle3Config:
     # vLLM's LlamaForCausalLMEagle3 option: apply hidden_norm before taking the residual.
     # False = the EAGLE-3 reference (residual is the un-normed fused feature).
     norm_before_residual: bool = False
+    # The LM head over the draft vocabulary: trained (the EAGLE-3 reference, from a random init)
+    # or frozen as a copy of the target's rows of those tokens (speculators does this).
+    train_lm_head: bool = True
     # Objective: the training-time test (EAGLE-3 paper §3.2; reference ttt length 7, decay 0.8).
     ttt_steps: int = 7  # K unrolled steps
     step_decay: float = 0.8  # loss weight decay^k for step k
@@ -198,7 +201,8 @@ class MidLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: Eagle3Config, embed_tokens: nn.Embedding | None = None):
+    def __init__(self, cfg: Eagle3Config, embed_tokens: nn.Embedding | None = None,
+                 target_lm_head: nn.Module | None = None):
         super().__init__()
         if cfg.hidden_size != cfg.target_hidden_size:
             raise ConfigError(f"EAGLE-3 draft hidden_size {cfg.hidden_size} must equal the target's "
@@ -214,8 +218,12 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         self.gradient_checkpointing = False  # recompute the MLP and the LM head in backward
-        # The target's embedding: frozen, outside this module's parameters and state dict.
+        if not cfg.train_lm_head:
+            self.lm_head.weight.requires_grad_(False)  # set_vocab fills it with the target's rows
+        # The target's embedding (and LM head, copied from when frozen): outside this module's
+        # parameters and state dict.
         self._embed = [embed_tokens]
+        self._target_lm_head = [target_lm_head]
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -224,6 +232,10 @@ class Eagle3Draft(nn.Module):
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+        head = self._target_lm_head[0]
+        if not self.config.train_lm_head and head is not None:  # the frozen head: the target's draft rows
+            with torch.no_grad():
+                self.lm_head.weight.copy_(head.weight.index_select(0, self.draft_to_target()))
 
     def draft_to_target(self) -> torch.Tensor:
         """[Vd] target ids of the draft vocabulary."""
@@ -351,8 +363,9 @@ Proposer = Eagle3Proposer
 
 
 def build(cfg: Eagle3Config, target) -> Eagle3Draft:
-    """The draft for `target`, sharing its embedding."""
-    return Eagle3Draft(cfg, target.backbone.embed_tokens)
+    """The draft for `target`, sharing its embedding (and copying its LM head rows when the
+    draft's head is frozen)."""
+    return Eagle3Draft(cfg, target.backbone.embed_tokens, target.model.lm_head)
 
 
 def fill_from_data(cfg: Eagle3Config, counts: torch.Tensor, special_ids) -> Eagle3Config:
@@ -373,7 +386,8 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
 
     batch: input_ids [B, T], loss_mask [B, T], attention_mask [B, T], aux_hidden_states [B, T, L*Ht].
     labels (`target_labels`): p = the target's next-token distribution at each position,
-    restricted to the draft vocabulary and renormalized [B, T, Vd]; in_vocab [B, T].
+    restricted to the draft vocabulary and renormalized [B, T, Vd]; in_vocab [B, T] (None: no
+    accuracy on this step).
 
     Target state h_i has seen tokens <= i. At step k the draft at position i reads token
     i+1+k and its own state from step k-1, and predicts token i+2+k, whose target
@@ -396,6 +410,10 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
         loss_k = losses.soft_cross_entropy(logits, target_p, valid)
         loss = loss + (cfg.step_decay ** k) * loss_k
         step_loss.append(loss_k.detach())
+        if in_vocab is None:  # accuracy not asked for on this step (target_labels with_accuracy=False)
+            correct.append(valid.new_zeros((), dtype=torch.long))
+            count.append(valid.new_zeros((), dtype=torch.long))
+            continue
         with torch.no_grad():
             # the target's top token outside the draft vocab is a sure reject under greedy verification
             hit = (logits.argmax(-1) == target_p.argmax(-1)) & valid & shift_left(in_vocab, 1 + k)
@@ -406,20 +424,32 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
 
 
 @torch.no_grad()
-def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024) -> dict:
-    """The training labels from the captured pre-norm last state (no grad), in one pass
-    per chunk of T: the full target logits give p = their draft-vocab columns, softmaxed
-    [B, T, Vd], and in_vocab [B, T] = "the target's greedy token over its full vocabulary
-    is in the draft vocabulary". Where it is not, no draft token can be accepted under
-    greedy verification, so accuracy counts a miss even when the draft matches the
-    restricted argmax."""
-    draft_ids, t2d = draft.draft_to_target(), draft.t2d
+def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024, with_accuracy: bool = True) -> dict:
+    """The training labels from the captured pre-norm last state (no grad), per chunk of T:
+    p = the target's next-token distribution over the draft vocabulary [B, T, Vd], from the
+    target LM head's draft rows only (Vd of V columns: the softmax over them equals the
+    full logits' draft columns softmaxed), and in_vocab [B, T] = "the target's greedy token
+    over its full vocabulary is in the draft vocabulary". Where it is not, no draft token can
+    be accepted under greedy verification, so accuracy counts a miss even when the draft
+    matches the restricted argmax. The greedy token comes from the capture (target_argmax);
+    a capture without it needs the full logits, computed only when with_accuracy (else
+    in_vocab is None and the step counts no accuracy)."""
+    head = target.model.lm_head
+    draft_ids = draft.draft_to_target()
+    rows = head.weight.index_select(0, draft_ids)  # [Vd, H]
+    bias = head.bias.index_select(0, draft_ids) if getattr(head, "bias", None) is not None else None
+    captured = batch.get("target_argmax")
     probs, in_vocab = [], []
     for h in batch["last_hidden_state"].split(chunk, dim=1):
-        logits = target.model.lm_head(target.backbone.norm(h.to(target.dtype)))  # [B, t, V]
-        probs.append(logits[..., draft_ids].float().softmax(-1))
-        in_vocab.append(t2d[logits.argmax(-1)])
-    return {"p": torch.cat(probs, dim=1), "in_vocab": torch.cat(in_vocab, dim=1)}
+        hn = target.backbone.norm(h.to(target.dtype))  # [B, t, H]
+        probs.append(torch.nn.functional.linear(hn, rows, bias).float().softmax(-1))  # [B, t, Vd]
+        if with_accuracy and captured is None:
+            in_vocab.append(draft.t2d[head(hn).argmax(-1)])
+    if captured is not None:
+        in_vocab = draft.t2d[captured.long().clamp(min=0)]  # [B, T] (padding: masked by the loss anyway)
+    else:
+        in_vocab = torch.cat(in_vocab, dim=1) if with_accuracy else None
+    return {"p": torch.cat(probs, dim=1), "in_vocab": in_vocab}
 
 
 __all__ = ["Config", "Draft", "Proposer", "build", "default_layer_ids", "fill_from_data", "training_step",
