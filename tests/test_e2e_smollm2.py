@@ -121,4 +121,5 @@ def test_inspect_capture_verifies_hashes(demo_run):
     r = subprocess.run([str(exe), "inspect-capture", str(demo_run / "capture")], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1].endswith("shard-00001.safetensors does not match its sha256 in manifest.json")
+    assert r.stderr.strip().splitlines()[-1].endswith("shard-00001.safetensors does not match its size/sha256 in manifest.json "
+                                                         "(changed or truncated); capture again")

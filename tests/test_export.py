@@ -2,6 +2,7 @@
 round trips in both vLLM layouts, refusals (wrong target, existing folder), and FP8 with
 the real AMD Quark: which layers are FP8, the `exclude` rewrite vLLM needs, the τ gate."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -211,6 +212,9 @@ def test_fp8_gate_refuses_an_activation_outlier(tmp_path, tiny_draft, tiny_targe
     for p in ("q_proj", "k_proj", "v_proj"):
         w[f"midlayer.self_attn.{p}.weight"][:, 0] = 0.0
     save_file(w, str(bad / "model.safetensors"))
+    cfg = json.loads((bad / "config.json").read_text())  # this draft is made by hand: record its weights
+    cfg["weights_sha256"] = hashlib.sha256((bad / "model.safetensors").read_bytes()).hexdigest()
+    (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SystemExit) as e:
         _export(bad, tiny_target_dir, tmp_path / "fp8", "--quantize", "fp8", "--gate-dataset", gate_prompts,
                 "--gate-prompts", "4")

@@ -303,7 +303,6 @@ def _load_head_only(hf_dir: Path, dtype: torch.dtype, device):
     decoder layer left on the meta device (no memory): read tensor by tensor from the
     safetensors files. None when the files do not name those tensors as the model does."""
     from accelerate import init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -325,7 +324,8 @@ def _load_head_only(hf_dir: Path, dtype: torch.dtype, device):
     if set(found) != set(wanted):
         return None
     for key, value in found.items():
-        set_module_tensor_to_device(model, key, device, value=value.to(dtype))
+        owner, _, name = key.rpartition(".")
+        setattr(model.get_submodule(owner), name, torch.nn.Parameter(value.to(device, dtype), requires_grad=False))
     if tied:
         head.weight = model.get_input_embeddings().weight
     return model
