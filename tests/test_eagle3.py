@@ -126,6 +126,44 @@ def test_training_step_masks_and_counts():
     assert d.fc.weight.grad is not None and d.lm_head.weight.grad is not None
 
 
+def test_training_step_equals_the_dense_reference():
+    """The step runs the LM head only where the loss reads it (and the labels are made only
+    there); loss, gradients and accuracy equal the dense computation over every position."""
+    from trainer import losses
+    from trainer.drafts.eagle3 import shift_left
+
+    torch.manual_seed(1)
+    d = tiny_draft().double()
+    d.embed_tokens.double()
+    B, T, K = 3, 12, 3
+    ids = torch.randint(0, 50, (B, T))
+    loss_mask = (torch.rand(B, T) > 0.4).long()
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[2, 8:] = 0
+    loss_mask[2, 8:] = 0
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attn,
+             "aux_hidden_states": torch.randn(B, T, 96, dtype=torch.double)}
+    p = torch.randn(B, T, 20, dtype=torch.double).softmax(-1)
+    in_vocab = torch.rand(B, T) > 0.2
+    m = training_step(d, batch, {"p": p, "in_vocab": in_vocab})
+    m.loss.backward()
+    fast = {n: q.grad.clone() for n, q in d.named_parameters() if q.grad is not None}
+    d.zero_grad()
+    hidden, cache, loss, correct = d.fc(batch["aux_hidden_states"]), [], 0.0, []
+    for k in range(K):  # the dense reference: logits and labels at every position, then masked
+        valid = shift_left(loss_mask, 2 + k).bool() & attn.bool()
+        hidden, logits = d.step(shift_left(ids, 1 + k), hidden, torch.arange(T).expand(B, T) + k, cache)
+        target = shift_left(p, 1 + k)
+        loss = loss + d.config.step_decay ** k * losses.soft_cross_entropy(logits, target, valid)
+        correct.append(int(((logits.argmax(-1) == target.argmax(-1)) & valid & shift_left(in_vocab, 1 + k)).sum()))
+    loss.backward()
+    torch.testing.assert_close(m.loss, loss.float() if m.loss.dtype == torch.float32 else loss)
+    for n, q in d.named_parameters():
+        if q.grad is not None:
+            torch.testing.assert_close(fast[n], q.grad, msg=n)
+    assert m.correct.tolist() == correct
+
+
 def test_default_layer_ids_are_valid_for_every_depth():
     assert default_layer_ids(30) == [2, 15, 27]  # vLLM's (2, L//2, L-3)
     assert default_layer_ids(32) == [2, 16, 29]  # Llama-3.1-8B, as vLLM computes it

@@ -238,7 +238,10 @@ def test_head_only_target_gives_the_full_targets_labels(tiny_capture, tiny_targe
     draft.set_vocab(vocab["d2t"], vocab["t2d"])
     labels = eagle3.target_labels(head, batch, draft)
     full = tiny_target.logits_from_last_hidden(batch["last_hidden_state"])  # [B, T, V]
-    torch.testing.assert_close(labels["p"], full[..., draft.draft_to_target()].softmax(-1))
+    read = eagle3.shift_left(batch["loss_mask"], 1).bool()  # where training reads p: the next token is trained on
+    assert read.any() and not read.all()
+    torch.testing.assert_close(labels["p"][read], full[..., draft.draft_to_target()].softmax(-1)[read])
+    assert not labels["p"][~read].any()  # never computed
     real = batch["attention_mask"].bool()
     assert torch.equal(labels["in_vocab"][real], draft.t2d[full.argmax(-1)][real])  # from the captured argmax
     old = {k: v for k, v in batch.items() if k != "target_argmax"}  # a capture made before it was stored

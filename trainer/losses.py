@@ -17,3 +17,13 @@ def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, mask: torch
     m = mask.to(per_pos.dtype)
     per_sample = (per_pos * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [B]
     return per_sample.mean()
+
+
+def soft_cross_entropy_at(logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`soft_cross_entropy` with logits and target_p given only at the masked positions:
+    [N, Vd], N = mask.sum(), rows in mask's row-major order (`x[mask]`). The same value,
+    without computing the head and softmax where the loss does not look."""
+    per_pos = -(target_p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [N]
+    sample = mask.nonzero()[:, 0]  # [N] the sample of each row
+    sums = per_pos.new_zeros(mask.shape[0]).index_add_(0, sample, per_pos)  # [B]
+    return (sums / mask.sum(-1).to(sums.dtype).clamp(min=1.0)).mean()

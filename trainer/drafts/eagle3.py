@@ -241,16 +241,19 @@ class Eagle3Draft(nn.Module):
         """[Vd] target ids of the draft vocabulary."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
-    def step(self, input_ids, hidden, positions, cache):
+    def step(self, input_ids, hidden, positions, cache, rows: torch.Tensor | None = None):
         """One draft step. input_ids [B, T]; hidden [B, T, H] (fused aux states at step 0,
-        the previous step's output after); positions [B, T].
-        Returns (pre-norm hidden [B, T, H] to feed back, logits [B, T, Vd])."""
+        the previous step's output after); positions [B, T]; rows [B, T] bool: the positions
+        whose logits are wanted (None: all).
+        Returns (pre-norm hidden [B, T, H] to feed back, logits [B, T, Vd], or [N, Vd] at
+        `rows` in row-major order: the head, the largest matmul, runs only where it is read)."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)
         ckpt = self.gradient_checkpointing and self.training
         out = self.midlayer(embeds, hidden, cos, sin, cache, checkpoint=ckpt)
         head = lambda h: self.lm_head(self.norm(h))  # noqa: E731
-        return out, (torch.utils.checkpoint.checkpoint(head, out, use_reentrant=False) if ckpt else head(out))
+        h = out if rows is None else out[rows]
+        return out, (torch.utils.checkpoint.checkpoint(head, h, use_reentrant=False) if ckpt else head(h))
 
 
 class Eagle3Proposer:
@@ -386,8 +389,8 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
 
     batch: input_ids [B, T], loss_mask [B, T], attention_mask [B, T], aux_hidden_states [B, T, L*Ht].
     labels (`target_labels`): p = the target's next-token distribution at each position,
-    restricted to the draft vocabulary and renormalized [B, T, Vd]; in_vocab [B, T] (None: no
-    accuracy on this step).
+    restricted to the draft vocabulary and renormalized [B, T, Vd] (read only where the next
+    token is an assistant token); in_vocab [B, T] (None: no accuracy on this step).
 
     Target state h_i has seen tokens <= i. At step k the draft at position i reads token
     i+1+k and its own state from step k-1, and predicts token i+2+k, whose target
@@ -404,10 +407,11 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
     step_loss, correct, count = [], [], []
     for k in range(cfg.ttt_steps):
         tokens = shift_left(ids, 1 + k)  # [B, T] token i+1+k
-        target_p = shift_left(p, 1 + k)  # [B, T, Vd] target's distribution for token i+2+k
         valid = shift_left(loss_mask, 2 + k).bool() & attn.bool()  # [B, T] token i+2+k is an assistant token
-        hidden, logits = draft.step(tokens, hidden, base_pos + k, cache)
-        loss_k = losses.soft_cross_entropy(logits, target_p, valid)
+        b, i = valid.nonzero(as_tuple=True)  # the N positions the loss reads (i + 2 + k < T)
+        target_p = p[b, i + 1 + k]  # [N, Vd] the target's distribution for token i+2+k
+        hidden, logits = draft.step(tokens, hidden, base_pos + k, cache, rows=valid)  # logits [N, Vd]
+        loss_k = losses.soft_cross_entropy_at(logits, target_p, valid)
         loss = loss + (cfg.step_decay ** k) * loss_k
         step_loss.append(loss_k.detach())
         if in_vocab is None:  # accuracy not asked for on this step (target_labels with_accuracy=False)
@@ -416,7 +420,7 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
             continue
         with torch.no_grad():
             # the target's top token outside the draft vocab is a sure reject under greedy verification
-            hit = (logits.argmax(-1) == target_p.argmax(-1)) & valid & shift_left(in_vocab, 1 + k)
+            hit = (logits.argmax(-1) == target_p.argmax(-1)) & in_vocab[b, i + 1 + k]
         correct.append(hit.sum())
         count.append(valid.sum())
     return StepMetrics(loss=loss, position_loss=torch.stack(step_loss), correct=torch.stack(correct),
@@ -425,8 +429,9 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
 
 @torch.no_grad()
 def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024, with_accuracy: bool = True) -> dict:
-    """The training labels from the captured pre-norm last state (no grad), per chunk of T:
-    p = the target's next-token distribution over the draft vocabulary [B, T, Vd], from the
+    """The training labels from the captured pre-norm last state (no grad), `chunk` rows at a time:
+    p = the target's next-token distribution over the draft vocabulary [B, T, Vd] at the
+    positions training reads (the next token is an assistant token; 0 elsewhere), from the
     target LM head's draft rows only (Vd of V columns: the softmax over them equals the
     full logits' draft columns softmaxed), and in_vocab [B, T] = "the target's greedy token
     over its full vocabulary is in the draft vocabulary". Where it is not, no draft token can
@@ -439,17 +444,21 @@ def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024, wi
     rows = head.weight.index_select(0, draft_ids)  # [Vd, H]
     bias = head.bias.index_select(0, draft_ids) if getattr(head, "bias", None) is not None else None
     captured = batch.get("target_argmax")
-    probs, in_vocab = [], []
-    for h in batch["last_hidden_state"].split(chunk, dim=1):
-        hn = target.backbone.norm(h.to(target.dtype))  # [B, t, H]
-        probs.append(torch.nn.functional.linear(hn, rows, bias).float().softmax(-1))  # [B, t, Vd]
-        if with_accuracy and captured is None:
-            in_vocab.append(draft.t2d[head(hn).argmax(-1)])
+    last = batch["last_hidden_state"]
+    B, T, _ = last.shape
+    # training_step reads p[j] only where token j+1 is an assistant token: the rest stays 0
+    need = shift_left(batch["loss_mask"], 1).bool()  # [B, T]
+    p = torch.zeros(B, T, rows.shape[0], dtype=torch.float32, device=last.device)
+    p[need] = torch.cat([torch.nn.functional.linear(target.backbone.norm(h.to(target.dtype)), rows, bias)
+                         .float().softmax(-1) for h in last[need].split(chunk)]) if need.any() else 0.0
     if captured is not None:
         in_vocab = draft.t2d[captured.long().clamp(min=0)]  # [B, T] (padding: masked by the loss anyway)
+    elif with_accuracy:
+        in_vocab = torch.cat([draft.t2d[head(target.backbone.norm(h.to(target.dtype))).argmax(-1)]
+                              for h in last.split(chunk, dim=1)], dim=1)
     else:
-        in_vocab = torch.cat(in_vocab, dim=1) if with_accuracy else None
-    return {"p": torch.cat(probs, dim=1), "in_vocab": in_vocab}
+        in_vocab = None
+    return {"p": p, "in_vocab": in_vocab}
 
 
 __all__ = ["Config", "Draft", "Proposer", "build", "default_layer_ids", "fill_from_data", "training_step",
