@@ -26,4 +26,4 @@ lint: setup
 	.venv/bin/ruff check .
 
 clean:
-	rm -rf .venv .vllm-venv runs .pytest_cache
+	rm -rf .venv .vllm-venv .speculators-venv runs .pytest_cache

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_train.py --capture runs/cmp/capture [--steps 24] [--algorithm eagle3]
     .venv/bin/python scripts/bench_train.py --capture runs/cmp/capture --vary draft.train_lm_head=true,false
+    .venv/bin/python scripts/bench_train.py --capture runs/bench/capture --peer speculators
     .venv/bin/python scripts/bench_train.py --shape 8b            (needs a GPU: an 8B-shaped draft)
 
 1. SmolLM2 (CPU): `recipes/train.py` itself, in a subprocess per run (the real loop: labels,
@@ -11,7 +12,17 @@
    (train_report.json `tokens`) over the loop's wall time (`seconds`, the first step's
    warm-up included); peak RSS: the training process's own (`peak_rss_mib`). Prints each
    run, the median per variant and the ratio to the first variant, measured in this run.
-2. 8B-shaped draft (H=4096, I=14336, 32/8 heads, Vd=32000, T=2048, K=7) on random
+2. `--peer speculators`: side by side with vLLM's speculators 0.9.0 EAGLE-3 trainer
+   (scripts/setup_speculators.sh installs it into .speculators-venv; never a draftsmith
+   dependency). Both train one epoch, batch 1, AdamW, fp32, on every sample of the capture
+   (cut to --max-length), the same features (EAGLE-3's aux layers + the last pre-norm state),
+   the same draft vocabulary (the capture's d2t/t2d) and the same draft shape (1 layer, the
+   target's, `--ttt-steps`). The capture is exported once to speculators' own format (arrow
+   dataset + hidden_states/hs_<i>.safetensors); the peer runs its own CLI entry point in
+   scripts/peer_speculators.py (what is changed around it to run on a CPU is stated there).
+   Runs alternate (draftsmith, speculators, ...); tokens = the tokens of the samples trained on,
+   over each trainer's epoch wall time; prints each run, the medians, the ratio and peak RSS.
+3. 8B-shaped draft (H=4096, I=14336, 32/8 heads, Vd=32000, T=2048, K=7) on random
    features: achieved TFLOP/s and MFU against the device's peak (goal on an H200: >= 40%).
 """
 
@@ -101,6 +112,90 @@ def bench_recipe(capture: str, algorithm: str, steps: int, repeats: int, vary: s
               f"peak RSS {rss:7.0f} MiB")
 
 
+def export_for_peer(capture: str, out: Path, max_length: int) -> tuple[list[int], dict]:
+    """The capture's samples (cut to max_length) in speculators' offline format -> (EAGLE-3 ids, info).
+    One extra sample (a copy of the first) is its validation split, which it insists on (not timed)."""
+    import numpy as np
+    from datasets import Dataset
+    from safetensors.torch import load_file, save_file
+
+    from trainer.data.shards import DRAFT_VOCAB, CaptureReader, verify_capture
+
+    info = verify_capture(capture)
+    m = info.manifest
+    ids = m["draft_layer_ids"]["eagle3"]
+    H = m["target"]["hidden_size"]
+    reader = CaptureReader(capture, ids)
+    (out / "hidden_states").mkdir(parents=True)
+    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for i in [*range(len(reader)), 0]:
+        s = reader[i]
+        T = min(s["input_ids"].numel(), max_length)
+        states = torch.cat([s["aux_hidden_states"][:T].view(T, len(ids), H), s["last_hidden_state"][:T].view(T, 1, H)], 1)
+        save_file({"hidden_states": states.contiguous(), "token_ids": s["input_ids"][:T].long()},
+                  out / "hidden_states" / f"hs_{len(rows['seq_len'])}.safetensors")
+        rows["input_ids"].append(s["input_ids"][:T].long().tolist())
+        rows["loss_mask"].append(s["loss_mask"][:T].long().tolist())
+        rows["seq_len"].append(T)
+    ds = Dataset.from_dict(rows)
+    ds.set_format("torch")
+    ds.save_to_disk(str(out))
+    vocab = load_file(info.path / DRAFT_VOCAB)
+    np.save(out / "d2t.npy", vocab["d2t"].numpy())
+    np.save(out / "t2d.npy", vocab["t2d"].numpy())
+    n = len(reader)
+    desc = {"train_samples": n, "train_tokens": sum(rows["seq_len"][:n]), "draft_vocab_size": int(vocab["d2t"].numel()),
+            "train_data_ratio": (n + 0.5) / (n + 1)}  # speculators' split: int(ratio * (n + 1)) = n train rows
+    (out / "bench_samples.json").write_text(json.dumps(desc))
+    return ids, desc
+
+
+def peer_run(data: Path, verifier: str, ids: list[int], ttt_steps: int, lr: float, max_length: int,
+             threads: int) -> dict:
+    py = REPO / ".speculators-venv" / "bin" / "python"
+    with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
+        cmd = [str(py), str(REPO / "scripts" / "peer_speculators.py"), "--data", str(data), "--verifier", verifier,
+               "--out", tmp, "--aux-layer-ids", ",".join(map(str, ids)), "--ttt-steps", str(ttt_steps),
+               "--lr", str(lr), "--max-length", str(max_length)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        if r.returncode != 0:
+            raise SystemExit(f"speculators failed:\n{r.stderr[-3000:]}")
+        return json.loads((Path(tmp) / "peer_report.json").read_text())
+
+
+def bench_peer(capture: str, repeats: int, threads: int, ttt_steps: int, max_length: int) -> None:
+    from trainer.config import TrainConfig, load_config
+    from trainer.target import load_target
+
+    if not (REPO / ".speculators-venv" / "bin" / "python").exists():
+        raise SystemExit("no .speculators-venv: run `bash scripts/setup_speculators.sh` first")
+    cfg = load_config(TrainConfig, REPO / "recipes" / "configs" / "smollm2-135m" / "eagle3.yaml", [f"data={capture}"])
+    verifier = load_target(cfg.target, head_only=True).hf_dir  # the target as a Hugging Face folder
+    with tempfile.TemporaryDirectory(prefix="bench-peer-data-") as tmp:
+        ids, desc = export_for_peer(capture, Path(tmp) / "data", max_length)
+        n = desc["train_samples"]
+        ours = [f"draft.ttt_steps={ttt_steps}", f"max_length={max_length}", "draft.train_lm_head=false"]
+        runs = {"draftsmith": [], "speculators": []}
+        for _ in range(repeats):  # alternating: the machine's drift hits both alike
+            r = recipe_run(capture, "eagle3", n, threads, ours)
+            runs["draftsmith"].append(r)
+            p = peer_run(Path(tmp) / "data", verifier, ids, ttt_steps, cfg.learning_rate, max_length, threads)
+            runs["speculators"].append(p)
+            for name, x in (("draftsmith", r), ("speculators", p)):
+                print(f"  {name:<12} {int(x['tokens']):7d} tokens in {x['seconds']:6.1f} s = {x['tokens'] / x['seconds']:7.0f} "
+                      f"tokens/s  peak RSS {x['peak_rss_mib']:6.0f} MiB", flush=True)
+    print(f"\nEAGLE-3 (1 layer, TTT {ttt_steps}, Vd {desc['draft_vocab_size']}, AdamW, fp32, {threads} threads) on {capture}: "
+          f"{n} samples ({desc['train_tokens']} tokens, cut to {max_length}), one epoch, batch 1, {repeats} alternating runs each; "
+          "tokens = the tokens of the samples trained on")
+    med = {k: statistics.median(x["tokens"] / x["seconds"] for x in v) for k, v in runs.items()}
+    rss = {k: max(x["peak_rss_mib"] for x in v) for k, v in runs.items()}
+    for k in runs:
+        print(f"  {k:<12} median {med[k]:7.0f} tokens/s  peak RSS {rss[k]:6.0f} MiB")
+    print(f"  draftsmith/speculators: {med['draftsmith'] / med['speculators']:.2f}x tokens/s, "
+          f"{rss['draftsmith'] / rss['speculators']:.2f}x peak RSS")
+
+
 def bench_8b(steps: int, K: int, T: int) -> None:
     if not torch.cuda.is_available():
         print("8B-shaped draft: skipped (no GPU; run on a ROCm/CUDA device)")
@@ -140,13 +235,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per variant")
     ap.add_argument("--vary", help="KEY=A,B: one recipe override, its variants compared (e.g. draft.ttt_steps=3,7)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--peer", choices=["speculators"], help="side by side with the peer trainer (EAGLE-3)")
+    ap.add_argument("--max-length", type=int, default=768, help="--peer: samples cut to this many tokens")
+    ap.add_argument("--ttt-steps", type=int, help="TTT steps: 3 with --peer (as compared), 7 for the 8B shape")
     ap.add_argument("--seq-len", type=int, default=2048)
     args = ap.parse_args()
+    if args.peer:
+        bench_peer(args.capture, args.repeats, args.threads, args.ttt_steps or 3, args.max_length)
+        return
     if args.shape in ("smollm2", "all"):
         bench_recipe(args.capture, args.algorithm, args.steps, args.repeats, args.vary, args.threads)
     if args.shape in ("8b", "all"):
-        bench_8b(args.steps, args.ttt_steps, args.seq_len)
+        bench_8b(args.steps, args.ttt_steps or 7, args.seq_len)
 
 
 if __name__ == "__main__":
