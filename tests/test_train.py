@@ -214,6 +214,22 @@ def test_online_training_equals_offline_training_on_an_fp32_capture(tmp_path, ti
         torch.testing.assert_close(won[k], woff[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
+def test_collate_keeps_the_stored_dtype_until_the_device():
+    """bf16 states stay bf16 in the batch (half the host memory and transfer); padding is zero
+    and the values are the samples' own."""
+    from trainer.data.collate import collate
+
+    a = {"input_ids": torch.tensor([3, 4, 5]), "loss_mask": torch.tensor([0, 1, 1]),
+         "aux_hidden_states": torch.randn(3, 6).bfloat16(), "last_hidden_state": torch.randn(3, 2).bfloat16()}
+    b = {k: v[:2] for k, v in a.items()}
+    batch = collate([a, b])
+    for name in ("aux_hidden_states", "last_hidden_state"):
+        assert batch[name].dtype == torch.bfloat16
+        assert torch.equal(batch[name][0], a[name]) and torch.equal(batch[name][1, :2], b[name])
+        assert not batch[name][1, 2:].any()
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+
+
 def test_head_only_target_gives_the_full_targets_labels(tiny_capture, tiny_target_dir, tiny_target):
     """Offline training loads only the embedding, final norm and LM head; the labels it makes
     (EAGLE-3: the draft-vocabulary softmax from the head's draft rows) equal the full

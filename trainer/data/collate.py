@@ -35,14 +35,15 @@ class PreparedSamples(Dataset):
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: input_ids/loss_mask/attention_mask [B, T], target_argmax
-    [B, T] (when captured), states [B, T, D]."""
+    [B, T] (when captured), states [B, T, D] in their stored dtype (bf16 captures stay bf16 until
+    the device: half the host memory and transfer; every consumer casts where it computes)."""
     T = max(s["input_ids"].shape[0] for s in samples)
     B = len(samples)
     out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.long),
            "attention_mask": torch.zeros(B, T, dtype=torch.long)}
     for name in ("aux_hidden_states", "last_hidden_state"):
         if name in samples[0]:
-            out[name] = torch.zeros(B, T, samples[0][name].shape[-1], dtype=torch.float32)
+            out[name] = torch.zeros(B, T, samples[0][name].shape[-1], dtype=samples[0][name].dtype)
     if "target_argmax" in samples[0]:
         out["target_argmax"] = torch.full((B, T), -1, dtype=torch.long)  # the target's greedy token; -1: padding
     for r, s in enumerate(samples):
@@ -54,5 +55,5 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         out["attention_mask"][r, :n] = 1
         for name in ("aux_hidden_states", "last_hidden_state"):
             if name in s:
-                out[name][r, :n] = s[name].float()
+                out[name][r, :n] = s[name]
     return out

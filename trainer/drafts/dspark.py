@@ -259,7 +259,7 @@ def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512, wit
     if batch.get("target_argmax") is not None:  # the capture's, from the full-precision state
         greedy = batch["target_argmax"].long().reshape(-1)
     return {"anchors": anchors, "valid": valid, "target_row": target_row, "target_ids": greedy.view(B, T),
-            "target_p": torch.cat(probs) if probs else states.new_zeros(0, V),
+            "target_p": torch.cat(probs) if probs else states.new_zeros(0, V, dtype=torch.float32),
             "target_outside": torch.cat(outside) if outside else states.new_zeros(0)}
 
 
