@@ -47,20 +47,28 @@ def main() -> None:
     ap.add_argument("--skip-train", action="store_true", help="reuse the drafts in --out")
     ap.add_argument("--drafts", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
     ap.add_argument("--no-fp8", action="store_true", help="skip the DFlash FP8 q/k/v comparison")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ALGO:KEY=VALUE[,KEY=VALUE]",
+                    help="one more draft, trained and evaluated like the rest, with its ratio to ALGO "
+                         "(e.g. eagle3-frozen-head=eagle3:draft.train_lm_head=false); repeatable")
     args = ap.parse_args()
-    drafts = args.drafts.split(",")
+    variants = {name: (CONFIGS[name], []) for name in args.drafts.split(",") if name}  # name -> (config, overrides)
+    against = {}  # variant -> the algorithm its τ is compared with
+    for v in args.variant:
+        name, _, spec = v.partition("=")
+        against[name], _, overrides = spec.partition(":")
+        variants[name] = (CONFIGS[against[name]], [o for o in overrides.split(",") if o])
+    drafts = list(variants)
     out = Path(args.out)
     common = [f"data={args.capture}", f"max_steps={args.steps}", "epochs=100", "batch_size=1",
               "gradient_accumulation_steps=1", f"max_length={args.max_length}", "save_every=100000",
               "log_every=25", "overwrite=true"]
     reports = {}
-    for name in drafts:
-        path = CONFIGS[name]
+    for name, (path, overrides) in variants.items():
         if args.skip_train:
             reports[name] = json.loads((out / name / "train_report.json").read_text())
             continue
         t0 = time.perf_counter()
-        reports[name] = train.run(load_config(TrainConfig, path, [*common, f"output_dir={out / name}"]))
+        reports[name] = train.run(load_config(TrainConfig, path, [*common, *overrides, f"output_dir={out / name}"]))
         print(f"{name}: {train.format_report(reports[name])} ({time.perf_counter() - t0:.0f} s)")
 
     target = load_target("smollm2-135m-instruct")
@@ -76,7 +84,7 @@ def main() -> None:
                 s = measure(target, draft, prompts, args.max_new_tokens, n, eos_token_ids=target.eos_token_ids)
                 taus[label] = s.tau
                 rows.append((dataset, n, label, s.tau, s.conditional_acceptance))
-            for a, b in (("dflash", "eagle3"), ("dspark", "dflash"), ("dspark", "dspark no-Markov")):
+            for a, b in (("dflash", "eagle3"), ("dspark", "dflash"), ("dspark", "dspark no-Markov"), *against.items()):
                 if a in taus and b in taus:
                     rows.append((dataset, n, f"{a}/{b}", taus[a] / taus[b], []))
 
