@@ -246,10 +246,8 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
                 from trainer.capture import capture_batch
 
                 batch.update(capture_batch(target, batch["input_ids"], batch["attention_mask"], aux_ids))
-            # per-position accuracy (and so simulated τ) is measured on the steps that are logged
-            logged = (progress.step + 1) % cfg.log_every == 0 or progress.step + 1 == total_steps
             with accelerator.accumulate(model):
-                labels = algo.target_labels(target, batch, draft, with_accuracy=logged)  # no grad
+                labels = algo.target_labels(target, batch, draft)  # no grad
                 with accelerator.autocast():
                     metrics = model(batch, labels)
                 accelerator.backward(metrics.loss)

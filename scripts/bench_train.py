@@ -44,6 +44,7 @@ from trainer.drafts import get
 
 eagle3 = get("eagle3")  # the draft contract (trainer/drafts/__init__.py)
 REPO = Path(__file__).resolve().parent.parent
+PEER_PYTHON = REPO / ".speculators-venv" / "bin" / "python"  # scripts/setup_speculators.sh
 
 # Dense bf16 peak TFLOP/s by device name (vendor datasheets).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "MI300X": 1307.0, "MI325X": 1307.0, "MI355X": 2300.0, "A100": 312.0}
@@ -72,19 +73,24 @@ def run_steps(draft, batch, labels, steps, optimizer) -> float:
     return time.perf_counter() - t0
 
 
+def timed_run(cmd: list[str], threads: int, report: Path, what: str) -> dict:
+    """One trainer run in its own process, `threads` intra-op threads -> its JSON report."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    if r.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{r.stderr[-3000:]}")
+    return json.loads(report.read_text())
+
+
 def recipe_run(capture: str, algorithm: str, steps: int, threads: int, overrides: list[str]) -> dict:
-    """One `recipes/train.py` run in its own process -> its train_report.json."""
+    """One `recipes/train.py` run -> its train_report.json."""
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         out = Path(tmp) / "draft"
         cmd = [sys.executable, str(REPO / "recipes" / "train.py"), "--config",
                str(REPO / "recipes" / "configs" / "smollm2-135m" / f"{algorithm}.yaml"), f"data={capture}",
                f"output_dir={out}", f"max_steps={steps}", "epochs=1000", "batch_size=1",
                "gradient_accumulation_steps=1", f"log_every={steps}", "save_every=1000000", *overrides]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-        if r.returncode != 0:
-            raise SystemExit(f"recipes/train.py failed ({' '.join(overrides)}):\n{r.stderr[-3000:]}")
-        return json.loads((out / "train_report.json").read_text())
+        return timed_run(cmd, threads, out / "train_report.json", f"recipes/train.py ({' '.join(overrides)})")
 
 
 def bench_recipe(capture: str, algorithm: str, steps: int, repeats: int, vary: str | None, threads: int) -> None:
@@ -152,26 +158,21 @@ def export_for_peer(capture: str, out: Path, max_length: int) -> tuple[list[int]
 
 def peer_run(data: Path, verifier: str, ids: list[int], ttt_steps: int, lr: float, max_length: int,
              threads: int) -> dict:
-    py = REPO / ".speculators-venv" / "bin" / "python"
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
-        cmd = [str(py), str(REPO / "scripts" / "peer_speculators.py"), "--data", str(data), "--verifier", verifier,
-               "--out", tmp, "--aux-layer-ids", ",".join(map(str, ids)), "--ttt-steps", str(ttt_steps),
+        cmd = [str(PEER_PYTHON), str(REPO / "scripts" / "peer_speculators.py"), "--data", str(data), "--verifier",
+               verifier, "--out", tmp, "--aux-layer-ids", ",".join(map(str, ids)), "--ttt-steps", str(ttt_steps),
                "--lr", str(lr), "--max-length", str(max_length)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-        if r.returncode != 0:
-            raise SystemExit(f"speculators failed:\n{r.stderr[-3000:]}")
-        return json.loads((Path(tmp) / "peer_report.json").read_text())
+        return timed_run(cmd, threads, Path(tmp) / "peer_report.json", "speculators")
 
 
 def bench_peer(capture: str, repeats: int, threads: int, ttt_steps: int, max_length: int) -> None:
     from trainer.config import TrainConfig, load_config
-    from trainer.target import load_target
+    from trainer.target import resolve_target, target_hf_dir
 
-    if not (REPO / ".speculators-venv" / "bin" / "python").exists():
+    if not PEER_PYTHON.exists():
         raise SystemExit("no .speculators-venv: run `bash scripts/setup_speculators.sh` first")
     cfg = load_config(TrainConfig, REPO / "recipes" / "configs" / "smollm2-135m" / "eagle3.yaml", [f"data={capture}"])
-    verifier = load_target(cfg.target, head_only=True).hf_dir  # the target as a Hugging Face folder
+    verifier = str(target_hf_dir(resolve_target(cfg.target)))  # the target as a Hugging Face folder
     with tempfile.TemporaryDirectory(prefix="bench-peer-data-") as tmp:
         ids, desc = export_for_peer(capture, Path(tmp) / "data", max_length)
         n = desc["train_samples"]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import trainer.speculative as spec
 from recipes import train
 from tests.conftest import REPO, make_tiny_model, make_tiny_tokenizer
+from trainer.capture import capture_batch
 from trainer.config import TrainConfig, load_config
 from trainer.drafts import dflash, dspark
 from trainer.speculative import Sampling, generate
@@ -53,9 +54,8 @@ def batch_of(t, seqs, mask_from=2):
         ids[r, :len(s)], attn[r, :len(s)] = torch.tensor(s), 1
     loss_mask = attn.clone()
     loss_mask[:, :mask_from] = 0
-    out = t.forward(ids, attn, aux_layer_ids=IDS)
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask,
-            "aux_hidden_states": out.aux_hidden_states, "last_hidden_state": out.last_hidden_state}
+            **capture_batch(t, ids, attn, IDS)}  # states and greedy tokens, as capture stores them
 
 
 def naive_loss(t, d, batch, labels):

@@ -10,19 +10,10 @@ def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, mask: torch
 
     EAGLE-3 trains on the target's distribution, not its sampled token. Per-sample
     averaging makes a batch of B equal to B accumulated batches of one.
-    logits, target_p: [B, T, Vd]; mask: [B, T] bool.
+    logits, target_p: [N, Vd], given only at the masked positions, N = mask.sum(), rows in
+    mask's row-major order (`x[mask]`): the head and softmax never run where the loss does
+    not look. mask: [B, T] bool.
     """
-    logq = torch.log_softmax(logits.float(), dim=-1)
-    per_pos = -(target_p * logq).sum(-1)  # [B, T]
-    m = mask.to(per_pos.dtype)
-    per_sample = (per_pos * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [B]
-    return per_sample.mean()
-
-
-def soft_cross_entropy_at(logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`soft_cross_entropy` with logits and target_p given only at the masked positions:
-    [N, Vd], N = mask.sum(), rows in mask's row-major order (`x[mask]`). The same value,
-    without computing the head and softmax where the loss does not look."""
     per_pos = -(target_p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [N]
     sample = mask.nonzero()[:, 0]  # [N] the sample of each row
     sums = per_pos.new_zeros(mask.shape[0]).index_add_(0, sample, per_pos)  # [B]

@@ -232,7 +232,7 @@ class Target:
     def head_only(self) -> bool:
         """Loaded with only the embedding, final norm and LM head (`load_target(head_only=True)`):
         enough for offline training, which never runs the decoder layers."""
-        return self.backbone.layers[0].mlp.down_proj.weight.is_meta if len(self.backbone.layers) else False
+        return any(p.is_meta for p in self.backbone.layers[0].parameters()) if len(self.backbone.layers) else False
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -331,6 +331,11 @@ def _load_head_only(hf_dir: Path, dtype: torch.dtype, device):
     return model
 
 
+def target_hf_dir(source: TargetSource, digest: str | None = None) -> Path:
+    """The target as a Hugging Face folder: its own, or a GGUF's one-time conversion (cached)."""
+    return gguf_to_hf_dir(source, digest or content_hash(source)) if source.kind == "gguf" else Path(source.path)
+
+
 def load_target(spec: str, dtype: str = "float32", device: str | torch.device = "cpu",
                 head_only: bool = False) -> Target:
     """Load a target by embedded alias, HF directory or GGUF file; frozen, eval mode.
@@ -341,7 +346,7 @@ def load_target(spec: str, dtype: str = "float32", device: str | torch.device = 
 
     source = resolve_target(spec)
     digest = content_hash(source)
-    hf_dir = gguf_to_hf_dir(source, digest) if source.kind == "gguf" else source.path
+    hf_dir = target_hf_dir(source, digest)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         model = _load_head_only(Path(hf_dir), parse_dtype(dtype), device) if head_only else None

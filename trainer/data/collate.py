@@ -35,7 +35,7 @@ class PreparedSamples(Dataset):
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: input_ids/loss_mask/attention_mask [B, T], target_argmax
-    [B, T] (when captured), states [B, T, D] in their stored dtype (bf16 captures stay bf16 until
+    [B, T] (captured samples; -1 at padding), states [B, T, D] in their stored dtype (bf16 captures stay bf16 until
     the device: half the host memory and transfer; every consumer casts where it computes)."""
     T = max(s["input_ids"].shape[0] for s in samples)
     B = len(samples)

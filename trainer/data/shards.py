@@ -30,7 +30,7 @@ from trainer.errors import DataError, DraftsmithError
 from trainer.io import atomic_save_safetensors, atomic_write_json
 from trainer.target import LAYER_ID_CONVENTION, check_layer_ids, sha256_file
 
-FORMAT = "draftsmith-capture-v2"  # v2: draft_layer_ids, one layer-id convention
+FORMAT = "draftsmith-capture-v3"  # v2: draft_layer_ids, one layer-id convention; v3: target_argmax
 MANIFEST = "manifest.json"
 DRAFT_VOCAB = "draft_vocab.safetensors"
 
@@ -176,7 +176,7 @@ def verify_capture(path: str | Path) -> CaptureInfo:
         except Exception as err:  # safetensors raises its own error types on a damaged header
             raise DataError(f"{where}: shard {entry['file']} is not readable safetensors ({err}); capture again") \
                 from None
-        need = {"input_ids", "loss_mask", "cu_seqlens", "aux_hidden_states", "last_hidden_state"}
+        need = {"input_ids", "loss_mask", "cu_seqlens", "aux_hidden_states", "last_hidden_state", "target_argmax"}
         if need - keys:
             raise DataError(f"{where}: shard {entry['file']} lacks {sorted(need - keys)}; capture again")
         if stored != ids:
@@ -214,11 +214,9 @@ class CaptureReader:
             if layer_ids is not None else None
         self._index: list[tuple[int, int]] = []  # global sample -> (shard, row)
         self._cu: list[torch.Tensor] = []
-        self._names: list[set[str]] = []
         for k, entry in enumerate(self.info.manifest["shards"]):
             with safe_open(self.info.path / entry["file"], "pt") as f:
                 cu = f.get_tensor("cu_seqlens")
-                self._names.append(set(f.keys()))
             self._cu.append(cu)
             self._index += [(k, r) for r in range(cu.numel() - 1)]
 
@@ -231,8 +229,7 @@ class CaptureReader:
         out = {}
         with safe_open(self.info.path / self.info.manifest["shards"][k]["file"], "pt") as f:
             for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "target_argmax"):
-                if name in self._names[k]:  # target_argmax: captures made before it was stored lack it
-                    out[name] = f.get_slice(name)[a:b]
+                out[name] = f.get_slice(name)[a:b]
         if self._columns is not None:
             out["aux_hidden_states"] = out["aux_hidden_states"][:, self._columns]  # [T, L'*H]
         return out

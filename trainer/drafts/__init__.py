@@ -15,9 +15,9 @@ The draft contract: each module under trainer/drafts/ provides
     build(cfg, target)          the Draft for a target
     fill_from_data(cfg, counts, special_ids)
                                 config fields taken from the training data (DFlash, DSpark: the mask token)
-    target_labels(target, batch, draft, with_accuracy=True) -> dict
-                                the labels from the captured states, no grad (with_accuracy=False:
-                                what only the accuracy metric needs may be skipped)
+    target_labels(target, batch, draft) -> dict
+                                the labels from the captured states (and the captured
+                                target_argmax), no grad
     training_step(draft, batch, labels) -> trainer.metrics.StepMetrics
                                 loss and per-position correct/count
     Proposer(draft, draft_sampling, seed, **options)

@@ -373,34 +373,12 @@ def block_metrics(loss: torch.Tensor, pred_rows: torch.Tensor, greedy: torch.Ten
 
 
 @torch.no_grad()
-def target_labels(target, batch: dict, draft: DFlashDraft, chunk: int = 512, with_accuracy: bool = True) -> dict:
+def target_labels(target, batch: dict, draft: DFlashDraft) -> dict:
     """Random anchors (the global RNG: seeded, restored on resume) and the target's greedy
-    token after each position a slot reads (anchor .. anchor + Bk-2 of every valid block):
-    the capture's target_argmax, or, for a capture without it, from the captured pre-norm
-    last state, once per distinct position, `chunk` positions at a time: anchors, valid
-    [B, n]; target_ids [B, T] (-1 where not known)."""
+    token after every position (the capture's target_argmax, from the full logits once at
+    capture): anchors, valid [B, n]; target_ids [B, T] (-1 at padding)."""
     anchors, valid = sample_anchors(batch["loss_mask"], batch["attention_mask"], draft.config.num_anchors)
-    if batch.get("target_argmax") is not None:
-        return {"anchors": anchors, "valid": valid, "target_ids": batch["target_argmax"].long()}
-    T = batch["input_ids"].shape[1]
-    pos = anchors[..., None] + torch.arange(draft.config.block_size - 1, device=anchors.device)  # [B, n, Bk-1]
-    need = valid[..., None] & (pos < T - 1)
-    return {"anchors": anchors, "valid": valid,
-            "target_ids": greedy_at(target, batch["last_hidden_state"], pos, need, chunk)}
-
-
-@torch.no_grad()
-def greedy_at(target, last_hidden_state: torch.Tensor, pos: torch.Tensor, need: torch.Tensor,
-              chunk: int = 512) -> torch.Tensor:
-    """The target's greedy next token at the positions `pos` [B, ...] where `need`, computed
-    once per distinct position: last_hidden_state [B, T, H] (pre-norm) -> [B, T], -1 elsewhere."""
-    B, T, _ = last_hidden_state.shape
-    key = torch.arange(B, device=pos.device).view(B, *[1] * (pos.dim() - 1)) * T + pos.clamp(max=T - 1)
-    states = last_hidden_state.reshape(B * T, -1)
-    out = torch.full((B * T,), -1, dtype=torch.long, device=pos.device)
-    for part in torch.unique(key[need]).split(chunk):
-        out[part] = target.model.lm_head(target.backbone.norm(states[part].to(target.dtype))).argmax(-1)
-    return out.view(B, T)
+    return {"anchors": anchors, "valid": valid, "target_ids": batch["target_argmax"].long()}
 
 
 class DFlashProposer:

@@ -222,7 +222,7 @@ def _slot_losses(draft, hn, prev, target, target_p, target_outside, p_row):
 
 
 @torch.no_grad()
-def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512, with_accuracy: bool = True) -> dict:
+def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512) -> dict:
     """DFlash's random anchors (the global RNG: seeded, restored on resume) and the target's
     next-token distribution at the positions the loss reads (anchor + k for every slot of a
     valid block), computed once per distinct position from the captured pre-norm last state,
@@ -231,8 +231,8 @@ def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512, wit
     Returns anchors, valid [B, n]; target_row [B, n, Bk] (row of target_p for the state at
     anchor + k, -1 where no slot needs it); target_p [U, Vd] (restricted to the draft
     vocabulary, not renormalized), target_outside [U] (its mass outside), U <= min(B*T,
-    B*n*Bk); target_ids [B, T] (the target's greedy token after each needed position, -1
-    elsewhere). Memory: U * Vd floats, plus chunk * V while computing."""
+    B*n*Bk); target_ids [B, T] (the target's greedy token after each position: the capture's
+    target_argmax, -1 at padding). Memory: U * Vd floats, plus chunk * V while computing."""
     anchors, valid = dflash.sample_anchors(batch["loss_mask"], batch["attention_mask"], draft.config.num_anchors)
     B, T = batch["input_ids"].shape
     dev = anchors.device
@@ -244,11 +244,9 @@ def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512, wit
     target_row[need] = row
     states = batch["last_hidden_state"].reshape(B * T, -1)
     draft_ids = draft.draft_to_target() if draft.config.draft_vocab_size is not None else None
-    greedy = torch.full((B * T,), -1, dtype=torch.long, device=dev)
     probs, outside = [], []
     for part in unique.split(chunk):
         p = target.model.lm_head(target.backbone.norm(states[part].to(target.dtype))).float().softmax(-1)  # [u, V]
-        greedy[part] = p.argmax(-1)
         if draft_ids is not None:
             p = p[:, draft_ids]
             outside.append((1 - p.sum(-1)).clamp(min=0))
@@ -256,9 +254,7 @@ def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512, wit
             outside.append(p.new_zeros(p.shape[0]))
         probs.append(p)
     V = draft.config.draft_vocab_size or draft.config.vocab_size
-    if batch.get("target_argmax") is not None:  # the capture's, from the full-precision state
-        greedy = batch["target_argmax"].long().reshape(-1)
-    return {"anchors": anchors, "valid": valid, "target_row": target_row, "target_ids": greedy.view(B, T),
+    return {"anchors": anchors, "valid": valid, "target_row": target_row, "target_ids": batch["target_argmax"].long(),
             "target_p": torch.cat(probs) if probs else states.new_zeros(0, V, dtype=torch.float32),
             "target_outside": torch.cat(outside) if outside else states.new_zeros(0)}
 

@@ -390,7 +390,7 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
     batch: input_ids [B, T], loss_mask [B, T], attention_mask [B, T], aux_hidden_states [B, T, L*Ht].
     labels (`target_labels`): p = the target's next-token distribution at each position,
     restricted to the draft vocabulary and renormalized [B, T, Vd] (read only where the next
-    token is an assistant token); in_vocab [B, T] (None: no accuracy on this step).
+    token is an assistant token); in_vocab [B, T].
 
     Target state h_i has seen tokens <= i. At step k the draft at position i reads token
     i+1+k and its own state from step k-1, and predicts token i+2+k, whose target
@@ -411,13 +411,9 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
         b, i = valid.nonzero(as_tuple=True)  # the N positions the loss reads (i + 2 + k < T)
         target_p = p[b, i + 1 + k]  # [N, Vd] the target's distribution for token i+2+k
         hidden, logits = draft.step(tokens, hidden, base_pos + k, cache, rows=valid)  # logits [N, Vd]
-        loss_k = losses.soft_cross_entropy_at(logits, target_p, valid)
+        loss_k = losses.soft_cross_entropy(logits, target_p, valid)
         loss = loss + (cfg.step_decay ** k) * loss_k
         step_loss.append(loss_k.detach())
-        if in_vocab is None:  # accuracy not asked for on this step (target_labels with_accuracy=False)
-            correct.append(valid.new_zeros((), dtype=torch.long))
-            count.append(valid.new_zeros((), dtype=torch.long))
-            continue
         with torch.no_grad():
             # the target's top token outside the draft vocab is a sure reject under greedy verification
             hit = (logits.argmax(-1) == target_p.argmax(-1)) & in_vocab[b, i + 1 + k]
@@ -428,7 +424,7 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
 
 
 @torch.no_grad()
-def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024, with_accuracy: bool = True) -> dict:
+def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024) -> dict:
     """The training labels from the captured pre-norm last state (no grad), `chunk` rows at a time:
     p = the target's next-token distribution over the draft vocabulary [B, T, Vd] at the
     positions training reads (the next token is an assistant token; 0 elsewhere), from the
@@ -436,28 +432,21 @@ def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024, wi
     full logits' draft columns softmaxed), and in_vocab [B, T] = "the target's greedy token
     over its full vocabulary is in the draft vocabulary". Where it is not, no draft token can
     be accepted under greedy verification, so accuracy counts a miss even when the draft
-    matches the restricted argmax. The greedy token comes from the capture (target_argmax);
-    a capture without it needs the full logits, computed only when with_accuracy (else
-    in_vocab is None and the step counts no accuracy)."""
+    matches the restricted argmax. The greedy token is the capture's (target_argmax, from the
+    full logits once at capture), so no [V]-wide logits are computed here."""
     head = target.model.lm_head
     draft_ids = draft.draft_to_target()
     rows = head.weight.index_select(0, draft_ids)  # [Vd, H]
     bias = head.bias.index_select(0, draft_ids) if getattr(head, "bias", None) is not None else None
-    captured = batch.get("target_argmax")
     last = batch["last_hidden_state"]
     B, T, _ = last.shape
     # training_step reads p[j] only where token j+1 is an assistant token: the rest stays 0
     need = shift_left(batch["loss_mask"], 1).bool()  # [B, T]
     p = torch.zeros(B, T, rows.shape[0], dtype=torch.float32, device=last.device)
-    p[need] = torch.cat([torch.nn.functional.linear(target.backbone.norm(h.to(target.dtype)), rows, bias)
-                         .float().softmax(-1) for h in last[need].split(chunk)]) if need.any() else 0.0
-    if captured is not None:
-        in_vocab = draft.t2d[captured.long().clamp(min=0)]  # [B, T] (padding: masked by the loss anyway)
-    elif with_accuracy:
-        in_vocab = torch.cat([draft.t2d[head(target.backbone.norm(h.to(target.dtype))).argmax(-1)]
-                              for h in last.split(chunk, dim=1)], dim=1)
-    else:
-        in_vocab = None
+    if need.any():
+        p[need] = torch.cat([torch.nn.functional.linear(target.backbone.norm(h.to(target.dtype)), rows, bias)
+                             .float().softmax(-1) for h in last[need].split(chunk)])
+    in_vocab = draft.t2d[batch["target_argmax"].long().clamp(min=0)]  # [B, T] (padding: masked by the loss)
     return {"p": p, "in_vocab": in_vocab}
 
 
