@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from trainer.errors import DraftsmithError
-from trainer.target import entering_to_output
+from trainer.layer_ids import entering_to_output
 
 METHOD = "dflash"
 FORMATS = ("vllm",)
@@ -27,25 +27,15 @@ TITLE = "DFlash draft model"
 KEEP_BF16 = {"lm_head": "lm_head"}  # vLLM runs the draft at `model.`; lm_head stays at the top
 KEEP_BF16_UNLESS_ASKED = {"fc": "model.fc"}
 
-LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight",
-                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+OPTIONS: dict[str, str] = {}  # proposer options written into config.json (none for DFlash)
 
 
-def tensors(d: dict) -> tuple[str, ...]:
-    """The draft's tensors, by our names, for draft config `d`: every one is exported."""
-    names = ["fc.weight", "hidden_norm.weight", "norm.weight",
-             *(f"layers.{i}.{t}" for i in range(d["num_hidden_layers"]) for t in LAYER_TENSORS)]
-    if d.get("draft_vocab_size") is not None:
-        names += ["lm_head.weight", "d2t", "t2d"]
-    return tuple(names)
-
-
-def key_map(fmt: str, d: dict) -> dict[str, str]:
+def key_map(fmt: str, names: list[str]) -> dict[str, str]:
+    """Our names (the draft module's state-dict keys) are vLLM's: fc, hidden_norm, layers.N.*,
+    norm, and lm_head/d2t/t2d with a reduced vocabulary."""
     if fmt != "vllm":
         raise DraftsmithError(f"unknown DFlash export format '{fmt}'; use one of {', '.join(FORMATS)}")
-    return {k: k for k in tensors(d)}
+    return {k: k for k in names}
 
 
 def keep_bf16(d: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> dict[str, str]:
@@ -66,10 +56,7 @@ def target_layer_ids(d: dict) -> list[int]:
     return [entering_to_output(i) for i in d["aux_layer_ids"]]
 
 
-def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int) -> dict:
-    if num_draft_tokens > d["block_size"] - 1:
-        raise DraftsmithError(f"num_draft_tokens {num_draft_tokens} is more than a DFlash block of "
-                              f"{d['block_size']} proposes ({d['block_size'] - 1})")
+def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int, options: dict | None = None) -> dict:
     tcfg = target.model.config.get_text_config()
     rope = dict(d["rope_parameters"] or {"rope_type": "default", "rope_theta": 10000.0})
     cfg = {

@@ -39,19 +39,17 @@ HEADS = {"markov_head.markov_w1": "model.markov_head.markov_w1",
 CONFIDENCE = {"confidence_head.proj": "model.confidence_head.proj"}
 
 
-def tensors(d: dict) -> tuple[str, ...]:
-    """The draft's tensors, by our names, for draft config `d`: every one is exported."""
-    names = [BACKBONE + t for t in dflash.tensors(d)] + ["markov_head.markov_w1.weight",
-                                                         "markov_head.markov_w2.weight"]
-    if d.get("enable_confidence_head"):
-        names += ["confidence_head.proj.weight", "confidence_head.proj.bias"]
-    return tuple(names)
+# Proposer options vLLM reads from the draft's config.json (vllm/config/speculative.py falls
+# back to hf_config.dspark_draft_topk when the speculative config does not set it).
+OPTIONS = {"draft_topk": "dspark_draft_topk"}
 
 
-def key_map(fmt: str, d: dict) -> dict[str, str]:
+def key_map(fmt: str, names: list[str]) -> dict[str, str]:
+    """Our names -> vLLM's: the DFlash backbone's without our `backbone.` prefix; the Markov and
+    confidence heads as they are."""
     if fmt != "vllm":
         raise DraftsmithError(f"unknown DSpark export format '{fmt}'; use one of {', '.join(FORMATS)}")
-    return {k: k.removeprefix(BACKBONE) for k in tensors(d)}
+    return {k: k.removeprefix(BACKBONE) for k in names}
 
 
 def keep_bf16(d: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> dict[str, str]:
@@ -62,10 +60,7 @@ def keep_bf16(d: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> 
             **(CONFIDENCE if d.get("enable_confidence_head") else {})}
 
 
-def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int) -> dict:
-    if num_draft_tokens > d["block_size"]:
-        raise DraftsmithError(f"num_draft_tokens {num_draft_tokens} is more than a DSpark block of "
-                              f"{d['block_size']} proposes ({d['block_size']})")
+def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int, options: dict | None = None) -> dict:
     if d.get("markov_head_type", "vanilla") != "vanilla":
         raise DraftsmithError(f"markov_head_type {d['markov_head_type']!r}: vLLM builds only the vanilla head")
     cfg = dflash.config_json(d, target, fmt, dtype, 1)  # the Qwen3 body of the backbone
@@ -79,6 +74,14 @@ def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int) ->
         "draft_vocab_size": d.get("draft_vocab_size") or d["vocab_size"], "sample_from_anchor": True,
         "num_anchors": d["num_anchors"], "layer_types": ["full_attention"] * d["num_hidden_layers"],
     })
+    Vd = cfg["draft_vocab_size"]
+    for option, value in (options or {}).items():  # where vLLM reads them
+        if value is None:
+            continue
+        if option == "draft_topk" and not (isinstance(value, int) and 1 <= value <= Vd):
+            raise DraftsmithError(f"draft_topk {value!r} must be an integer between 1 and the draft vocabulary "
+                                  f"size ({Vd})")
+        cfg[OPTIONS[option]] = value
     return cfg
 
 

@@ -26,16 +26,7 @@ METHOD = "eagle3"  # vLLM's speculative-config method
 FORMATS = ("vllm", "speculators")
 FP8_FORMATS = ("vllm",)  # Quark's file-to-file flow writes the vLLM-native names
 
-# The draft's tensors, in our (training) names. Every one is exported, nothing else is.
-TENSORS = (
-    "fc.weight",
-    "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-    "midlayer.post_attention_layernorm.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
-)
+OPTIONS: dict[str, str] = {}  # proposer options written into config.json (none for EAGLE-3)
 # Layers an FP8 export keeps in BF16, by their names in the vLLM-native file (which are
 # Quark's module names), with the vLLM runtime name each runs under: vLLM builds the draft
 # at `model.` (fc -> model.fc) and leaves lm_head at the top (llama_eagle3.py). vLLM never
@@ -44,17 +35,12 @@ KEEP_BF16 = {"lm_head": "lm_head"}
 KEEP_BF16_UNLESS_ASKED = {"fc": "model.fc"}
 
 
-def tensors(d: dict) -> tuple[str, ...]:
-    """The draft's tensors, by our names (the same for every EAGLE-3 draft config `d`)."""
-    return TENSORS
-
-
-def key_map(fmt: str, d: dict | None = None) -> dict[str, str]:
-    """Our name -> the name in `fmt`'s safetensors. One to one, every tensor."""
+def key_map(fmt: str, names: list[str]) -> dict[str, str]:
+    """Our names (the draft module's state-dict keys) -> the names in `fmt`'s safetensors, one to one."""
     if fmt == "vllm":
-        return {k: k for k in TENSORS}
+        return {k: k for k in names}
     if fmt == "speculators":
-        return {k: k.replace("midlayer.", "layers.0.", 1) for k in TENSORS}
+        return {k: k.replace("midlayer.", "layers.0.", 1) for k in names}
     raise DraftsmithError(f"unknown EAGLE-3 export format '{fmt}'; use one of {', '.join(FORMATS)}")
 
 
@@ -85,7 +71,7 @@ def llama_layer_config(d: dict, target, dtype: str) -> dict:
     }
 
 
-def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int) -> dict:
+def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int, options: dict | None = None) -> dict:
     """config.json for the draft config `d` (a trained draft's "draft" section)."""
     layer = llama_layer_config(d, target, dtype)
     eagle = {"draft_vocab_size": d["draft_vocab_size"], "target_hidden_size": d["target_hidden_size"],

@@ -2,10 +2,12 @@
 
 Generic over algorithms: each has one exporter module under export/, registered in
 `EXPORTERS` under the same name as its draft in trainer.drafts.DRAFTS. An exporter
-provides METHOD (vLLM's speculative method), TITLE, FORMATS, FP8_FORMATS, `tensors(d)` (our
-names for draft config d), `key_map(fmt, d)` (ours -> the file's, one to one),
-`config_json(...)`, `keep_bf16(quantize_fc)` (what Quark must leave BF16, with vLLM's
-runtime names), `probe(...)` (the constant-proposal probe) and `describe(manifest)`.
+provides METHOD (vLLM's speculative method), TITLE, FORMATS, FP8_FORMATS, OPTIONS (proposer
+options it writes into config.json, by vLLM's key), `key_map(fmt, names)` (our names -> the
+file's, one to one; our names are the draft module's state-dict keys, `tensor_names`),
+`config_json(d, target, fmt, dtype, num_draft_tokens, options)`, `keep_bf16(d, quantize_fc,
+quantize_qkv)` (what Quark must leave BF16, with vLLM's runtime names), `probe(...)` (the
+constant-proposal probe) and `describe(manifest)`.
 
 Each export folder also holds draftsmith_export.json (what was exported from what,
 sha256 of every file) and the draft's training report.
@@ -22,8 +24,8 @@ import torch
 from export import dflash, dspark, eagle3
 from trainer.drafts import build
 from trainer.errors import DraftsmithError
-from trainer.io import atomic_write_json
-from trainer.target import LAYER_ID_CONVENTION, sha256_file
+from trainer.io import atomic_write_json, sha256_file
+from trainer.layer_ids import LAYER_ID_CONVENTION
 
 EXPORT_MANIFEST = "draftsmith_export.json"
 WEIGHTS = "model.safetensors"
@@ -48,56 +50,30 @@ def rename_strict(state: dict, mapping: dict[str, str], what: str) -> dict:
     return {mapping[k]: v for k, v in state.items()}
 
 
+def tensor_names(algorithm: str, d: dict) -> list[str]:
+    """Our names of a draft's tensors for draft config `d`: the state-dict keys of the module
+    it builds (on the meta device). Every one is exported, nothing else is."""
+    from trainer.drafts.folder import module_shapes
+
+    return list(module_shapes(algorithm, d))
+
+
+def key_map(algorithm: str, fmt: str, d: dict) -> dict[str, str]:
+    """Our name -> the name in `fmt`'s file, for every tensor of draft config `d`."""
+    return exporter(algorithm).key_map(fmt, tensor_names(algorithm, d))
+
+
 def read_draft_dir(path: str | Path) -> tuple[dict, dict]:
-    """A recipes/train.py output -> (its config.json, its tensors by our names), checked."""
-    from safetensors.torch import load_file
+    """A recipes/train.py output -> (its config.json, its tensors by our names), checked
+    (trainer/drafts/folder.py), and not an export."""
+    from trainer.drafts import read_draft
 
     path = Path(path)
-    cfg_path, weights = path / "config.json", path / WEIGHTS
-    if not cfg_path.is_file() or not weights.is_file():
-        raise DraftsmithError(f"'{path}' is not a trained draft folder (needs config.json and {WEIGHTS}); "
-                              "pass the output_dir of recipes/train.py")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except ValueError as err:
-        raise DraftsmithError(f"{cfg_path} is not valid JSON ({err}); train again or restore it") from None
-    if (path / EXPORT_MANIFEST).is_file() or "architectures" in cfg:
+    if (path / EXPORT_MANIFEST).is_file():
         raise DraftsmithError(f"'{path}' is already an export; export the trained draft folder it came from")
-    if cfg.get("algorithm") not in EXPORTERS:
-        raise DraftsmithError(f"{cfg_path}: algorithm {cfg.get('algorithm')!r} has no exporter "
-                              f"(known: {', '.join(EXPORTERS)})")
-    from trainer.drafts import check_draft_dir
-
-    check_draft_dir(path, cfg)
-    try:
-        state = load_file(weights)
-    except Exception as err:  # safetensors' own error types for a damaged file
-        raise DraftsmithError(f"{weights} is not readable safetensors ({err}); train again") from None
-    ours = {k: k for k in exporter(cfg["algorithm"]).tensors(cfg["draft"])}
-    rename_strict(state, ours, str(weights))
-    check_shapes(cfg, state, str(weights))
+    cfg, state = read_draft(path)
+    exporter(cfg["algorithm"])
     return cfg, state
-
-
-def check_shapes(cfg: dict, state: dict, what: str) -> None:
-    """Every tensor has the shape the draft config says (an edited config.json, e.g. other
-    aux layer ids, would export a config vLLM misreads): the module built from the config on
-    the meta device, compared name by name."""
-    from trainer.drafts import get
-
-    algo = get(cfg["algorithm"])
-    try:
-        with torch.device("meta"):
-            module = algo.Draft(algo.Config(**cfg["draft"]))
-    except (TypeError, ValueError, DraftsmithError) as err:
-        raise DraftsmithError(f"{what}: its config.json 'draft' section does not build a {cfg['algorithm']} "
-                              f"draft ({err})") from None
-    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    bad = [f"{k} {tuple(v.shape)} (config says {want[k]})" for k, v in state.items()
-           if k in want and tuple(v.shape) != want[k]]
-    if bad:
-        raise DraftsmithError(f"{what}: tensors do not fit the draft config: {'; '.join(bad[:3])}; the config or "
-                              "the weights were changed after training")
 
 
 def check_against_target(cfg: dict, target, draft_dir: Path) -> None:
@@ -135,19 +111,39 @@ def serve_command(target_ref: str, export_dir: str, num_draft_tokens: int, metho
     return f"vllm serve {target_ref} --speculative-config '{spec}'"
 
 
+def check_export_options(algorithm: str, fmt: str, quantize: str, num_draft_tokens: int, d: dict,
+                         options: dict) -> None:
+    """What an export is asked for must be what the algorithm can write and serve: its formats
+    (FP8 ones under quantize=fp8), N within what the draft proposes, options vLLM reads."""
+    from trainer.drafts import get
+    from trainer.speculative import check_num_draft_tokens
+
+    ex = exporter(algorithm)
+    allowed = ex.FP8_FORMATS if quantize == "fp8" else ex.FORMATS
+    if fmt not in allowed:
+        raise DraftsmithError(f"format '{fmt}'{' with quantize=fp8' if quantize == 'fp8' else ''} is not written for "
+                              f"{algorithm}; use one of {', '.join(allowed)}")
+    algo = get(algorithm)
+    check_num_draft_tokens(num_draft_tokens, algo.Config(**d).max_draft_tokens, f"a {algorithm} draft of this shape")
+    unknown = sorted(set(options) - set(ex.OPTIONS))
+    if unknown:
+        raise DraftsmithError(f"draft option(s) {', '.join(unknown)} cannot be served by vLLM for {algorithm}; it "
+                              f"reads {', '.join(ex.OPTIONS) or 'none'}")
+
+
 def write_export(out: Path, cfg: dict, state: dict, target, fmt: str, dtype: str, num_draft_tokens: int,
-                 draft_dir: Path, extra: dict | None = None) -> dict:
+                 draft_dir: Path, extra: dict | None = None, options: dict | None = None) -> dict:
     """Write config.json + model.safetensors + draftsmith_export.json into `out` (a fresh temp dir)."""
     from trainer.io import atomic_save_safetensors
 
     ex = exporter(cfg["algorithm"])
-    if fmt not in ex.FORMATS:
-        raise DraftsmithError(f"format '{fmt}' is not one of {', '.join(ex.FORMATS)} for {cfg['algorithm']}")
+    options = dict(options or {})
+    check_export_options(cfg["algorithm"], fmt, "none", num_draft_tokens, cfg["draft"], options)
     torch_dtype = DTYPES[dtype]
     tensors = {k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous()
-               for k, v in rename_strict(state, ex.key_map(fmt, cfg["draft"]), "draft").items()}
+               for k, v in rename_strict(state, key_map(cfg["algorithm"], fmt, cfg["draft"]), "draft").items()}
     atomic_save_safetensors(out / WEIGHTS, tensors, metadata={"format": "pt"})
-    atomic_write_json(out / "config.json", ex.config_json(cfg["draft"], target, fmt, dtype, num_draft_tokens))
+    atomic_write_json(out / "config.json", ex.config_json(cfg["draft"], target, fmt, dtype, num_draft_tokens, options))
     for name in ("train_report.json",):
         if (draft_dir / name).is_file():
             shutil.copyfile(draft_dir / name, out / name)
@@ -159,7 +155,7 @@ def write_export(out: Path, cfg: dict, state: dict, target, fmt: str, dtype: str
                    "num_layers": target.num_layers, "hidden_size": target.hidden_size,
                    "vocab_size": target.vocab_size},
         "draft": cfg["draft"], "data": cfg.get("data"), "layer_id_convention": LAYER_ID_CONVENTION,
-        "num_draft_tokens": num_draft_tokens, **(extra or {})})
+        "num_draft_tokens": num_draft_tokens, "draft_options": options, **(extra or {})})
 
 
 def write_manifest(out: Path, body: dict) -> dict:
@@ -206,45 +202,6 @@ def record_added_files(export_dir: Path, paths: list[Path]) -> None:
     atomic_write_json(export_dir / EXPORT_MANIFEST, manifest)
 
 
-def dequantize_fp8(state: dict) -> tuple[dict, set[str]]:
-    """Quark FP8 tensors (`W.weight` e4m3 + `W.weight_scale`) -> float weights, and the set
-    of quantized layer names. weight = fp8 * scale, per output channel ([O, 1]) or per tensor."""
-    out, quantized = {}, set()
-    for key, value in state.items():
-        if key.endswith(".weight_scale") or key.endswith(".input_scale"):
-            continue
-        if value.dtype == torch.float8_e4m3fn:
-            layer = key.removesuffix(".weight")
-            scale = state.get(f"{layer}.weight_scale")
-            if scale is None:
-                raise DraftsmithError(f"FP8 tensor {key} has no {layer}.weight_scale")
-            out[key] = value.to(torch.float32) * scale.to(torch.float32).reshape(-1, *([1] * (value.dim() - 1)))
-            quantized.add(layer)
-        else:
-            out[key] = value
-    return out, quantized
-
-
-class FP8DynamicLinear(torch.nn.Module):
-    """What vLLM computes for a `ptpc_fp8` layer: the FP8 weight (already dequantized
-    here) times the input rounded to FP8 with a dynamic per-token scale amax/448
-    (vllm/model_executor/layers/quantization/utils/fp8_utils.py; OCP E4M3 max = 448)."""
-
-    def __init__(self, linear: torch.nn.Linear, static_input_scale: torch.Tensor | None = None):
-        super().__init__()
-        self.linear = linear
-        self.static_input_scale = static_input_scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        finfo = torch.finfo(torch.float8_e4m3fn)
-        if self.static_input_scale is None:
-            scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / finfo.max  # [..., 1]
-        else:
-            scale = self.static_input_scale.float()
-        xq = (x.float() / scale).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn).float() * scale
-        return self.linear(xq.to(x.dtype))
-
-
 def load_export(path: str | Path, target):
     """Rebuild the draft from an export (BF16 or FP8) for the in-tree decoder: strict names,
     FP8 weights dequantized and FP8 activation rounding simulated, on the target's device.
@@ -253,23 +210,21 @@ def load_export(path: str | Path, target):
     if manifest["target"]["sha256"] != target.content_hash:
         raise DraftsmithError(f"export '{path}' is for {manifest['target']['name']} "
                               f"({manifest['target']['sha256'][:12]}), not {target.name} ({target.content_hash[:12]})")
+    from export import fp8_reload
+
     quant = manifest.get("quantization") or {}
-    state, quantized = dequantize_fp8(state) if quant else (state, set())
-    inverse = {v: k for k, v in exporter(manifest["algorithm"]).key_map(manifest["format"], manifest["draft"]).items()}
+    state, quantized = fp8_reload.dequantize_fp8(state) if quant else (state, set())
+    inverse = {v: k for k, v in key_map(manifest["algorithm"], manifest["format"], manifest["draft"]).items()}
     state = rename_strict(state, inverse, f"{path}/{WEIGHTS}")
     draft = build(manifest["algorithm"], manifest["draft"], target)
     draft.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()},
                           strict=True)
-    for layer in sorted(quantized):
-        ours = inverse[f"{layer}.weight"].removesuffix(".weight")
-        parent_name, _, child = ours.rpartition(".")
-        parent = draft.get_submodule(parent_name) if parent_name else draft
-        setattr(parent, child, FP8DynamicLinear(getattr(parent, child)))
+    fp8_reload.simulate_fp8(draft, {inverse[f"{layer}.weight"].removesuffix(".weight") for layer in quantized})
     return manifest["algorithm"], draft.to(target.device, target.dtype)
 
 
 def draft_state_from_export(path: str | Path) -> dict:
     """The tensors of a BF16/FP32 export under our names (for round-trip checks)."""
     manifest, _, state = read_export(path)
-    inverse = {v: k for k, v in exporter(manifest["algorithm"]).key_map(manifest["format"], manifest["draft"]).items()}
+    inverse = {v: k for k, v in key_map(manifest["algorithm"], manifest["format"], manifest["draft"]).items()}
     return rename_strict(state, inverse, f"{path}/{WEIGHTS}")

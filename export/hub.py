@@ -17,7 +17,7 @@ from pathlib import Path
 
 from export import formats
 from trainer.errors import DraftsmithError
-from trainer.target import sha256_file
+from trainer.io import sha256_file
 
 REQUIRED = ("config.json", formats.WEIGHTS, formats.EXPORT_MANIFEST, "eval/report.json")
 # Names and contents that look like credentials: refuse rather than publish them.

@@ -40,13 +40,18 @@ def _default(schema, key: str):
 
 
 def parse_flags(schema, argv: list[str], description: str, flags: dict[str, tuple[str, str]],
-                switches: dict[str, tuple[str, str]] | None = None, prog: str | None = None):
+                switches: dict[str, tuple[str, str]] | None = None, prog: str | None = None,
+                repeated: dict[str, tuple[str, str, str]] | None = None):
     """`--config FILE`, `--flag VALUE` for each of `flags` (flag -> (config key, help)), boolean
-    `switches` (flag -> ("key=value" it sets, help)), then `key=value` overrides, which win."""
+    `switches` (flag -> ("key=value" it sets, help)), `repeated` flags (flag -> (key of a dict
+    or list field, metavar, help): `--flag K=V` sets key.K for a dict, `--flag X` appends X to
+    a list), then `key=value` overrides, which win."""
     from omegaconf import MISSING
 
-    switches = switches or {}
+    switches, repeated = switches or {}, repeated or {}
     parser = _parser(description, prog)
+    for flag, (key, metavar, text) in repeated.items():
+        parser.add_argument(flag, metavar=metavar, action="append", help=f"{text} (config key {key})")
     for flag, (key, text) in flags.items():
         default = _default(schema, key)
         shown = "required" if default == MISSING else f"default {default}"
@@ -58,6 +63,15 @@ def parse_flags(schema, argv: list[str], description: str, flags: dict[str, tupl
     dest = lambda flag: flag[2:].replace("-", "_")  # noqa: E731
     overrides = [f"{key}={args[dest(flag)]}" for flag, (key, _) in flags.items() if args[dest(flag)] is not None]
     overrides += [kv for flag, (kv, _) in switches.items() if args[dest(flag)]]
+    for flag, (key, _, _) in repeated.items():
+        values = args[dest(flag)] or []
+        if isinstance(_default(schema, key), dict):
+            bad = [v for v in values if "=" not in v or v.startswith("=")]
+            if bad:
+                raise DraftsmithError(f"{flag} {bad[0]!r} is not KEY=VALUE (e.g. {flag} draft_topk=64)")
+            overrides += [f"{key}.{v}" for v in values]
+        elif values:
+            overrides.append(f"{key}=[{','.join(values)}]")
     return load_config(schema, args["config"], overrides + args["overrides"])
 
 
@@ -77,8 +91,8 @@ def one_line_errors(fn):
 
 def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int = 0, **options):
     """A trained draft folder or an export (BF16, or FP8 simulated) -> (its in-tree proposer,
-    a description), through the draft registry. `options` go to the algorithm's Proposer
-    (DSpark: markov, draft_topk)."""
+    a description), through the draft registry. `options` go to the algorithm's Proposer and
+    must be among its OPTIONS (DSpark: markov, draft_topk)."""
     import json
     from pathlib import Path
 
@@ -96,8 +110,23 @@ def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int =
         algorithm, draft = load_draft(path, target)
         name = f"{algorithm} ({path})"
     proposer = get(algorithm).Proposer
-    unknown = sorted(set(options) - set(getattr(proposer, "OPTIONS", ())))
+    check_options(proposer, options, f"{algorithm} drafts ('{path}')")
+    made = proposer(draft, draft_sampling=draft_sampling, seed=seed, **options)
+    made.num_positions = draft.config.num_positions  # what it was trained on: the N served by default
+    return made, name
+
+
+def check_options(proposer, options: dict, what: str) -> None:
+    """Proposer options must be ones the algorithm declares (its OPTIONS)."""
+    unknown = sorted(set(options) - set(proposer.OPTIONS))
     if unknown:
-        raise DraftsmithError(f"{', '.join(unknown)}: not an option of {algorithm} drafts ('{path}'); "
-                              f"they take {', '.join(getattr(proposer, 'OPTIONS', ())) or 'none'}")
-    return proposer(draft, draft_sampling=draft_sampling, seed=seed, **options), name
+        raise DraftsmithError(f"{', '.join(unknown)}: not an option of {what}; they take "
+                              f"{', '.join(proposer.OPTIONS) or 'none'}")
+
+
+def default_num_draft_tokens(n: int | None, proposer) -> int:
+    """N as given, else the positions the draft was trained on (its Config.num_positions:
+    serve the block you trained), else the n-gram baseline's."""
+    from trainer.config import NGRAM_DRAFT_TOKENS
+
+    return n if n is not None else getattr(proposer, "num_positions", None) or NGRAM_DRAFT_TOKENS

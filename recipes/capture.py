@@ -41,7 +41,8 @@ from trainer.data.vocab import build_draft_vocab, coverage, token_counts
 from trainer.dist import process_state
 from trainer.errors import DataError, DraftsmithError
 from trainer.io import atomic_save_safetensors, atomic_write_json, ensure_dir, write_run_files
-from trainer.target import LAYER_ID_CONVENTION, load_target, parse_dtype
+from trainer.layer_ids import LAYER_ID_CONVENTION
+from trainer.target import load_target, parse_dtype
 
 STATE = "capture_state.json"
 

@@ -64,12 +64,16 @@ def run(cfg: DemoConfig, argv: list[str] | None = None) -> dict:
         results[name] = {"export": export_recipe.run(ecfg, argv)}
         print(export_recipe.format_summary(results[name]["export"]))
 
+    n = results["bf16"]["export"]["num_draft_tokens"]  # as given, or the positions the draft trained
     print(f"[6/6] evaluate both exports in-tree on {cfg.eval_dataset} ({cfg.eval_prompts} prompts, N={n})")
+    from trainer.drafts import get
+
+    ablations = list(get(cfg.algorithm).Proposer.ABLATIONS)  # what the algorithm's parts add, on the BF16 export
     for name, ecfg in exports.items():
         ev = EvalConfig(draft=ecfg.output_dir, target=cfg.target, dataset=cfg.eval_dataset,
                         num_prompts=cfg.eval_prompts, max_new_tokens=cfg.eval_max_new_tokens,
                         num_draft_tokens=n, output_dir=str(Path(ecfg.output_dir) / "eval"),
-                        markov_ablation=cfg.algorithm == "dspark" and name == "bf16")  # what the Markov head adds
+                        ablations=ablations if name == "bf16" else [])
         results[name]["eval"] = eval_recipe.run(ev, argv)
 
     print(f"\ndemo finished in {time.perf_counter() - t0:.0f} s; outputs in {out}/\n")
@@ -97,10 +101,8 @@ def format_table(results: dict, trained: dict) -> str:
     rows.append(f"FP8 vs BF16: τ {fp8['eval']['tau'] / bf16['eval']['tau'] - 1:+.1%}, weights "
                 f"{sizes['fp8'] / sizes['bf16'] - 1:+.1%} ({', '.join(fp8['export']['quantization']['keep_bf16'])} "
                 "stay BF16)")
-    ablation = bf16["eval"].get("ablation")
-    if ablation:
-        a = ablation["without_markov"]
-        rows.append(f"DSpark without its Markov head (BF16, same backbone): τ {a['tau']:.3f}, conditional acceptance "
+    for name, a in bf16["eval"].get("ablations", {}).items():  # the variants the algorithm declares
+        rows.append(f"BF16 {name}: τ {a['tau']:.3f}, conditional acceptance "
                     + " ".join(f"{x:.3f}" for x in a["conditional_acceptance"]))
     gate = fp8["export"].get("gate")
     if gate:

@@ -1,12 +1,16 @@
 """Measure a draft with the in-tree lossless speculative decoder: τ, per-position
-acceptance, draft vs verify time, tokens/s, speedup over in-tree autoregressive
-decoding on the same prompts, and the best num_speculative_tokens.
+acceptance (counted as vLLM counts it), draft vs verify time, tokens/s, speedup over
+in-tree autoregressive decoding on the same prompts, and the best num_speculative_tokens
+from the draft's measured per-round cost.
 
     draftsmith eval --target smollm2-135m-instruct --draft ngram --dataset gsm8k --num-draft-tokens 4
     draftsmith eval --draft runs/smollm2-135m/eagle3 --dataset humaneval --temperature 0.7 num_prompts=8
     draftsmith eval --draft runs/demo/export-fp8 --dataset mtbench      (an export: BF16, or FP8 simulated)
-    draftsmith eval --draft runs/smollm2-135m/dspark --num-draft-tokens 7 --markov-ablation [--draft-topk 64]
+    draftsmith eval --draft runs/smollm2-135m/dspark --ablation without_markov [--draft-option draft_topk=64]
     python recipes/eval.py --config recipes/configs/smollm2-135m/eval.yaml
+
+Without --num-draft-tokens, a trained draft is measured at the positions it was trained on
+(EAGLE-3: its TTT steps; DFlash: its block's B-1; DSpark: its block's B).
 """
 
 from __future__ import annotations
@@ -15,7 +19,13 @@ import sys
 from pathlib import Path
 
 from export import formats
-from recipes._common import load_proposer, one_line_errors, parse_flags
+from recipes._common import (
+    check_options,
+    default_num_draft_tokens,
+    load_proposer,
+    one_line_errors,
+    parse_flags,
+)
 from trainer.config import EvalConfig, to_yaml
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, ensure_dir, write_run_files
@@ -23,34 +33,32 @@ from trainer.io import atomic_write_json, ensure_dir, write_run_files
 FLAGS = {"--target": ("target", "the target: an embedded alias, an HF model folder or a .gguf file"),
          "--draft": ("draft", "'ngram', a trained draft folder (recipes/train.py) or an export folder"),
          "--dataset": ("dataset", "gsm8k, math500, humaneval, mtbench, sharegpt or jsonl:PATH"),
-         "--num-draft-tokens": ("num_draft_tokens", "draft tokens per round (vLLM's num_speculative_tokens)"),
+         "--num-draft-tokens": ("num_draft_tokens", "draft tokens per round (vLLM's num_speculative_tokens); "
+                                                    "default: the positions the draft was trained on"),
          "--temperature": ("temperature", "sampling temperature; 0 = greedy"),
          "--top-p": ("top_p", "nucleus sampling mass"), "--top-k": ("top_k", "top-k sampling; 0 = off"),
          "--num-prompts": ("num_prompts", "prompts decoded"),
          "--max-new-tokens": ("max_new_tokens", "tokens generated per prompt"),
          "--batch-size": ("batch_size", "prompts decoded together"),
          "--output-dir": ("output_dir", "where report.json and acceptance.png go (checked before decoding)"),
-         "--draft-sampling": ("draft_sampling", "greedy (vLLM's default: the draft's argmax) or probabilistic"),
-         "--draft-topk": ("draft_topk", "DSpark: apply the Markov correction to the top-k base candidates only")}
-SWITCHES = {"--markov-ablation": ("markov_ablation=true",
-                                  "DSpark: also decode without the Markov head and print both acceptance curves")}
+         "--draft-sampling": ("draft_sampling", "greedy (vLLM's default: the draft's argmax) or probabilistic")}
+REPEATED = {"--draft-option": ("draft_options", "KEY=VALUE", "an option of the draft's proposer (e.g. DSpark's "
+                                                              "draft_topk=64); repeatable"),
+            "--ablation": ("ablations", "NAME", "also decode a variant the algorithm declares (e.g. DSpark's "
+                                                "without_markov) and report it; repeatable")}
 
 
-def make_draft(cfg: EvalConfig, target, markov: bool = True):
+def make_draft(cfg: EvalConfig, target, **overrides):
+    """The proposer under test (with `overrides` on top of cfg.draft_options) and its name."""
     from trainer.speculative import NGramDraft
 
+    options = {**cfg.draft_options, **overrides}
     if cfg.draft == "ngram":
-        if cfg.draft_topk is not None or cfg.markov_ablation:
-            raise DraftsmithError("draft_topk and markov_ablation apply to DSpark drafts, not ngram")
+        check_options(NGramDraft, options, "the n-gram baseline")
+        if cfg.ablations:
+            raise DraftsmithError(f"ablations {cfg.ablations}: the n-gram baseline declares none")
         return NGramDraft(), "ngram (prompt lookup)"
-    options = {}
-    if cfg.draft_topk is not None or cfg.markov_ablation or not markov:
-        options = {"markov": markov, "draft_topk": cfg.draft_topk}
-    draft, name = load_proposer(cfg.draft, target, cfg.draft_sampling, cfg.seed, **options)
-    if draft.max_draft_tokens is not None and cfg.num_draft_tokens > draft.max_draft_tokens:
-        raise DraftsmithError(f"num_draft_tokens={cfg.num_draft_tokens} is more than this draft proposes "
-                              f"({draft.max_draft_tokens}); use at most {draft.max_draft_tokens}")
-    return draft, name
+    return load_proposer(cfg.draft, target, cfg.draft_sampling, cfg.seed, **options)
 
 
 def run(cfg: EvalConfig, argv=None) -> dict:
@@ -62,39 +70,44 @@ def run(cfg: EvalConfig, argv=None) -> dict:
     out = check_output_dir(cfg)  # before the measurement, not after it
     target = load_target(cfg.target)
     draft, draft_name = make_draft(cfg, target)
+    unknown = sorted(set(cfg.ablations) - set(draft.ABLATIONS))
+    if unknown:
+        raise DraftsmithError(f"ablation(s) {', '.join(unknown)} are not declared by {draft_name}; it declares "
+                              f"{', '.join(draft.ABLATIONS) or 'none'}")
+    N = default_num_draft_tokens(cfg.num_draft_tokens, draft)
     tok = target.tokenizer
     prompts = chat_prompt_ids(tok, load_prompts(cfg.dataset, cfg.num_prompts))
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     common = dict(sampling=sampling, eos_token_ids=target.eos_token_ids, batch_size=cfg.batch_size, seed=cfg.seed)
     ar = measure(target, None, prompts, cfg.max_new_tokens, progress="eval: autoregressive", **common)
-    sp = measure(target, draft, prompts, cfg.max_new_tokens, cfg.num_draft_tokens, progress="eval: speculative",
-                 **common)
-    N = cfg.num_draft_tokens
-    ablation = None
-    if cfg.markov_ablation:  # the same backbone, base logits alone: what the Markov head adds
-        base, _ = make_draft(cfg, target, markov=False)
-        ab = measure(target, base, prompts, cfg.max_new_tokens, N, progress="eval: without the Markov head",
-                     **common)
-        ablation = {"without_markov": {"tau": ab.tau, "conditional_acceptance": ab.conditional_acceptance,
-                                       "cumulative_acceptance": ab.cumulative_acceptance,
-                                       "tokens_per_s": ab.tokens_per_s}}
-    cost = CostModel(draft_per_token=sp.draft_s / max(sp.iterations * N, 1),
-                     verify_one=ar.verify_s / max(ar.iterations, 1),
-                     verify_max=sp.verify_s / max(sp.iterations, 1), n_max=N)
+    sp = measure(target, draft, prompts, cfg.max_new_tokens, N, progress="eval: speculative", **common)
+    ablations = {}
+    for name in cfg.ablations:  # the same draft with the options the algorithm declares for `name`
+        variant, _ = make_draft(cfg, target, **draft.ABLATIONS[name])
+        ab = measure(target, variant, prompts, cfg.max_new_tokens, N, progress=f"eval: {name}", **common)
+        ablations[name] = {"tau": ab.tau, "conditional_acceptance": ab.conditional_acceptance,
+                           "cumulative_acceptance": ab.cumulative_acceptance, "tokens_per_s": ab.tokens_per_s,
+                           "counts": ab.counts()}
+    cost = CostModel.fit(ar, sp, N, parallel=draft.parallel)
     best = best_num_draft_tokens(sp.cumulative_acceptance, sp.conditional_acceptance, cost)
     report = {
         "target": target.name, "target_sha256": target.content_hash, "draft": draft_name,
         "dataset": cfg.dataset, "prompts": len(prompts), "num_draft_tokens": N,
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
                      "draft_sampling": cfg.draft_sampling},
+        "draft_options": dict(cfg.draft_options),
         "tau": sp.tau, "cumulative_acceptance": sp.cumulative_acceptance,
         "conditional_acceptance": sp.conditional_acceptance,
+        "counts": sp.counts(),  # vLLM's num_drafts, num_accepted_tokens, accepted per position
         "speculative": {"tokens": sp.generated, "seconds": sp.total_s, "tokens_per_s": sp.tokens_per_s,
-                        "draft_s": sp.draft_s, "verify_s": sp.verify_s, "rounds": sp.rounds},
+                        "draft_s": sp.draft_s, "propose_s": sp.propose_s, "commit_s": sp.commit_s,
+                        "verify_s": sp.verify_s, "rounds": sp.rounds},
         "autoregressive": {"tokens": ar.generated, "seconds": ar.total_s, "tokens_per_s": ar.tokens_per_s},
         "speedup": sp.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0,
+        "cost_model": {"draft_fixed_s": cost.draft_fixed, "draft_per_token_s": cost.draft_per_token,
+                       "verify_one_s": cost.verify_one, "verify_max_s": cost.verify_max, "parallel": draft.parallel},
         "best_num_draft_tokens": best,
-        **({"ablation": ablation} if ablation else {}),
+        **({"ablations": ablations} if ablations else {}),
     }
     ensure_dir(out, "output_dir")
     atomic_write_json(out / "report.json", report)
@@ -134,9 +147,9 @@ def plot(report: dict, path: Path) -> None:
     a.bar([p + 0.2 for p in pos], report["cumulative_acceptance"], width=0.4, label="cumulative")
     a.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1), xticks=pos,
           title=f"{report['draft']} on {report['dataset']}: τ = {report['tau']:.2f}")
-    if report.get("ablation"):  # DSpark: the same backbone without its Markov head
-        a.plot(pos, report["ablation"]["without_markov"]["conditional_acceptance"], "k_", markersize=14, mew=2,
-               label="conditional, no Markov head")
+    for i, (name, ab) in enumerate(report.get("ablations", {}).items()):  # variants the algorithm declares
+        a.plot(pos, ab["conditional_acceptance"], "_", color=f"C{i + 2}", markersize=14, mew=2,
+               label=f"conditional, {name}")
     a.legend()
     curve = report["best_num_draft_tokens"]["curve"]
     b.plot([c["n"] for c in curve], [c["expected_tau"] for c in curve], marker="o", label="expected τ")
@@ -166,18 +179,20 @@ def format_report(r: dict) -> str:
             "  expected tokens/s by N: " + ", ".join(f"{c['n']}: {c['tokens_per_s']:.1f}" for c in best["curve"]),
             f"  best num_speculative_tokens: {best['best_n']}"
             + (f"; acceptance collapses at position {best['collapse_position']}" if best["collapse_position"] else "")]
-    if r.get("ablation"):
-        a = r["ablation"]["without_markov"]
-        rows += [f"  without the Markov head (same backbone): τ {a['tau']:.3f} (with it {r['tau']:.3f}, "
-                 f"{r['tau'] / a['tau'] - 1:+.1%})" if a["tau"] else "  without the Markov head: no rounds",
-                 "  conditional   " + " ".join(f"{x:6.3f}" for x in a["conditional_acceptance"]) + "   (no Markov)"]
+    c = r["counts"]
+    rows.insert(2, f"  rounds {c['num_drafts']}, accepted {c['num_accepted_tokens']}, per position "
+                   f"{c['accepted_per_position']} (vLLM's num_drafts, num_accepted_tokens, per-position counts)")
+    for name, a in r.get("ablations", {}).items():
+        rows += [f"  {name}: τ {a['tau']:.3f} (the draft as trained: {r['tau']:.3f}, {r['tau'] / a['tau'] - 1:+.1%})"
+                 if a["tau"] else f"  {name}: no rounds",
+                 "  conditional   " + " ".join(f"{x:6.3f}" for x in a["conditional_acceptance"]) + f"   ({name})"]
     return "\n".join(rows)
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = parse_flags(EvalConfig, argv, __doc__, FLAGS, SWITCHES, prog="draftsmith eval")
+    cfg = parse_flags(EvalConfig, argv, __doc__, FLAGS, repeated=REPEATED, prog="draftsmith eval")
     report = run(cfg, argv)
     print(format_report(report))
     print(f"  written to {cfg.output_dir}/report.json and acceptance.png")

@@ -5,8 +5,12 @@ fc), and gate the FP8 draft on its acceptance.
     draftsmith export --draft runs/demo/eagle3 --output-dir runs/demo/export-bf16
     draftsmith export --draft runs/demo/eagle3 --output-dir runs/demo/export-fp8 --quantize fp8
     draftsmith export --draft DIR --output-dir OUT --format speculators --overwrite
+    draftsmith export --draft runs/demo/dspark --output-dir OUT --draft-option draft_topk=64
     flags: --target --format vllm|speculators --dtype --quantize none|fp8 --quantize-fc --keep-qkv-bf16
-           --num-draft-tokens N --no-gate --max-tau-drop F --overwrite; any field as key=value
+           --num-draft-tokens N --draft-option K=V --no-gate --max-tau-drop F --overwrite; any field as key=value
+
+Without --num-draft-tokens, the serve command and the gate use the positions the draft was
+trained on (EAGLE-3: its TTT steps; DFlash: its block's B-1; DSpark: its block's B).
 
 The FP8 gate decodes held-out prompts (greedy) with the in-tree decoder twice, with the
 BF16 export and with the FP8 one (FP8 weights dequantized, FP8 activation rounding
@@ -32,10 +36,13 @@ FLAGS = {"--draft": ("draft", "the trained draft folder (recipes/train.py output
          "--dtype": ("dtype", "dtype of the unquantized tensors: bfloat16, float16 or float32"),
          "--quantize": ("quantize", "none or fp8 (AMD Quark)"),
          "--fp8-scheme": ("fp8_scheme", "Quark FP8 scheme: ptpc_fp8 (per-channel weights, per-token activations)"),
-         "--num-draft-tokens": ("num_draft_tokens", "N written into the serve command (and the FP8 gate)"),
+         "--num-draft-tokens": ("num_draft_tokens", "N written into the serve command (and the FP8 gate); "
+                                                    "default: the positions the draft was trained on"),
          "--gate-dataset": ("gate_dataset", "held-out prompts of the FP8 acceptance gate"),
          "--gate-prompts": ("gate_prompts", "prompts the FP8 gate decodes"),
          "--max-tau-drop": ("max_tau_drop", "the FP8 gate fails when τ drops more than this fraction")}
+REPEATED = {"--draft-option": ("draft_options", "KEY=VALUE", "a proposer option the export serves with, written "
+                                                              "where vLLM reads it (DSpark: draft_topk=K); repeatable")}
 SWITCHES = {"--overwrite": ("overwrite=true", "replace an existing output folder"),
             "--quantize-fc": ("quantize_fc=true", "FP8 fc too (AMD's shipped drafts keep it BF16)"),
             "--no-gate": ("gate=false", "skip the FP8 acceptance gate"),
@@ -49,20 +56,21 @@ def run(cfg: ExportConfig, argv=None) -> dict:
 
     out = Path(cfg.output_dir)
     draft_dir = Path(cfg.draft)
-    draft_cfg, state = formats.read_draft_dir(draft_dir)  # checks the tensors against the key map
+    from trainer.drafts import get
+
+    draft_cfg, state = formats.read_draft_dir(draft_dir)  # the module's tensors, as training wrote them
+    if cfg.num_draft_tokens is None:  # serve what was trained
+        cfg.num_draft_tokens = get(draft_cfg["algorithm"]).Config(**draft_cfg["draft"]).num_positions
+    formats.check_export_options(draft_cfg["algorithm"], cfg.format, cfg.quantize, cfg.num_draft_tokens,
+                                 draft_cfg["draft"], cfg.draft_options)
     staging = fresh_output_dir(out, cfg.overwrite)  # refuses an existing output_dir before any work
     try:
         target = load_target(cfg.target)
         formats.check_against_target(draft_cfg, target, draft_dir)
-        ex = formats.exporter(draft_cfg["algorithm"])
-        if cfg.format not in ex.FORMATS or (cfg.quantize == "fp8" and cfg.format not in ex.FP8_FORMATS):
-            allowed = ex.FP8_FORMATS if cfg.quantize == "fp8" else ex.FORMATS
-            raise DraftsmithError(f"format '{cfg.format}'{' with quantize=fp8' if cfg.quantize == 'fp8' else ''} is not "
-                                  f"written for {draft_cfg['algorithm']}; use one of {', '.join(allowed)}")
         extra = {"command": "draftsmith export " + " ".join(argv or [])}
         if cfg.quantize == "none":
             manifest = formats.write_export(staging, draft_cfg, state, target, cfg.format, cfg.dtype,
-                                            cfg.num_draft_tokens, draft_dir, extra)
+                                            cfg.num_draft_tokens, draft_dir, extra, cfg.draft_options)
         else:
             manifest = export_fp8(cfg, staging, draft_cfg, state, target, draft_dir, extra)
         write_run_files(staging, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash}, argv)
@@ -84,7 +92,7 @@ def export_fp8(cfg: ExportConfig, staging: Path, draft_cfg: dict, state: dict, t
         bf16 = Path(scratch) / "bf16"
         bf16.mkdir()
         bf16_manifest = formats.write_export(bf16, draft_cfg, state, target, "vllm", "bfloat16",
-                                             cfg.num_draft_tokens, draft_dir, extra)
+                                             cfg.num_draft_tokens, draft_dir, extra, cfg.draft_options)
         keep = formats.exporter(draft_cfg["algorithm"]).keep_bf16(draft_cfg["draft"], cfg.quantize_fc,
                                                                   cfg.quantize_qkv)
         print(f"quantizing with AMD Quark ({cfg.fp8_scheme}; kept in BF16: {', '.join(sorted(keep))})")
@@ -115,7 +123,7 @@ def fp8_gate(cfg: ExportConfig, bf16_dir: Path, fp8_dir: Path, manifest: dict, t
     prompts = chat_prompt_ids(tok, load_prompts(cfg.gate_dataset, cfg.gate_prompts))
     taus = {}
     for name, path in (("bf16", bf16_dir), ("fp8", fp8_dir)):
-        draft, _ = load_proposer(str(path), target)
+        draft, _ = load_proposer(str(path), target, **cfg.draft_options)
         stats = measure(target, draft, prompts, cfg.gate_max_new_tokens, cfg.num_draft_tokens,
                         eos_token_ids=target.eos_token_ids, progress=f"FP8 gate: {name} draft")
         taus[name] = stats.tau
@@ -156,7 +164,7 @@ def format_summary(m: dict) -> str:
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = parse_flags(ExportConfig, argv, __doc__, FLAGS, SWITCHES, prog="draftsmith export")
+    cfg = parse_flags(ExportConfig, argv, __doc__, FLAGS, SWITCHES, prog="draftsmith export", repeated=REPEATED)
     manifest = run(cfg, argv)
     print(format_summary(manifest))
     print(f"  written to {cfg.output_dir}")

@@ -34,11 +34,11 @@ from trainer.config import TrainConfig, to_yaml
 from trainer.data.collate import CapturedSamples, PreparedSamples, collate
 from trainer.data.shards import DRAFT_VOCAB, verify_capture
 from trainer.dist import check_world_size, flag
-from trainer.drafts import TrainStep, config_digest, get
+from trainer.drafts import TrainStep, build, get, save_draft
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, write_run_files
 from trainer.metrics import simulated_tau
-from trainer.target import LAYER_ID_CONVENTION, load_target
+from trainer.target import load_target
 
 
 class Progress:
@@ -140,8 +140,12 @@ def load_data(cfg: TrainConfig, target):
         ds, summary = load_prepared(cfg.data)
         if summary["target_sha256"] != target.content_hash:
             raise DraftsmithError(f"'{cfg.data}' was prepared with {summary['target']}, not {target.name}")
+        from trainer.drafts.shape import DEFAULT_DRAFT_VOCAB_SIZE
+
         counts = sum(token_counts(b["input_ids"], b["loss_mask"], target.vocab_size) for b in ds.iter(1024))
-        d2t, t2d = build_draft_vocab(counts, min(cfg.draft_vocab_size, target.vocab_size))
+        # the vocabulary a capture would have built: the draft's size, else the capture's default
+        d2t, t2d = build_draft_vocab(counts, min(cfg.draft.draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE,
+                                                 target.vocab_size))
         ids = list(cfg.draft.aux_layer_ids or algo.default_layer_ids(target.num_layers))
         target.check_layer_ids(ids)
         return PreparedSamples(ds, cfg.max_length), ids, d2t, t2d, counts, {"prepared": str(cfg.data)}
@@ -208,7 +212,7 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
         from trainer.data.vocab import build_draft_vocab
 
         d2t, t2d = build_draft_vocab(counts, Vd)
-    draft = algo.build(draft_cfg, target)
+    draft = build(cfg.algorithm, draft_cfg, target)
     draft.set_vocab(d2t, t2d)
     model = TrainStep(cfg.algorithm, draft)
     draft.gradient_checkpointing = cfg.gradient_checkpointing
@@ -298,23 +302,6 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
                                             "algorithm": cfg.algorithm, **data_desc}, argv)
     accelerator.end_training()
     return report
-
-
-def save_draft(out: Path, algorithm: str, draft, state: dict, target, data_desc: dict, steps: int) -> None:
-    """model.safetensors (the draft's own weights and d2t/t2d; no target embedding) + config.json
-    (the draft config, the target, the steps trained and the weights' sha256, checked on export)."""
-    from trainer.io import atomic_save_safetensors
-    from trainer.target import sha256_file
-
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    atomic_save_safetensors(out / "model.safetensors", tensors)  # the umask's mode, like every output
-    atomic_write_json(out / "config.json", {
-        "algorithm": algorithm, "draft": dataclasses.asdict(draft.config),
-        "target": {"name": target.name, "path": target.path, "sha256": target.content_hash,
-                   "num_layers": target.num_layers, "hidden_size": target.hidden_size,
-                   "vocab_size": target.vocab_size},
-        "layer_id_convention": LAYER_ID_CONVENTION, "data": data_desc, "steps": steps,
-        "weights_sha256": sha256_file(out / "model.safetensors"), "draft_sha256": config_digest(draft.config)})
 
 
 def complete_checkpoints(out: Path) -> list[Path]:

@@ -165,7 +165,7 @@ def _flip(p):
 
 
 def _truncate_and_rehash(c):
-    from trainer.target import sha256_file
+    from trainer.io import sha256_file
 
     p = c / "shard-00000.safetensors"
     p.write_bytes(p.read_bytes()[:5000])

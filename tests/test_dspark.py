@@ -16,7 +16,7 @@ from recipes import train
 from tests.conftest import REPO, make_tiny_model, make_tiny_tokenizer
 from trainer.capture import capture_batch
 from trainer.config import TrainConfig, load_config
-from trainer.drafts import dflash, dspark
+from trainer.drafts import build, dflash, dspark
 from trainer.speculative import Sampling, generate
 from trainer.target import Target
 
@@ -34,7 +34,7 @@ def tiny_draft(t, block_size=4, seed=0, draft_vocab_size=None, rank=8, **kw):
     torch.manual_seed(seed)
     cfg = dspark.Config(num_hidden_layers=2, block_size=block_size, mask_token_id=t.vocab_size - 1,
                         draft_vocab_size=draft_vocab_size, markov_rank=rank, **kw).fill_from_target(t.model.config, IDS)
-    d = dspark.build(cfg, t)
+    d = build("dspark", cfg, t)
     for name, p in d.named_parameters():  # norms away from 1, a Markov head that matters
         torch.nn.init.normal_(p, mean=1.0 if "norm" in name else 0.0, std=0.3)
     if draft_vocab_size:
@@ -168,7 +168,8 @@ def test_proposals_are_the_training_time_distributions_teacher_forced_on_the_dra
     N, seq = 4, PROMPTS[2]
     prop = dspark.Proposer(d, draft_sampling="probabilistic", seed=0)
     session = spec.TargetSession(t, IDS)
-    _, pre = session.prefill([seq])
+    pre = session.prefill([seq])
+    seq = seq + [int(pre.logits[0, -1].argmax())]  # the first token, from the prefill
     prop.begin([seq], pre.aux_hidden_states, session.mask)
     for round_ in range(2):
         p = prop.propose([seq], N, Sampling(temperature=1.0))
@@ -183,27 +184,48 @@ def test_proposals_are_the_training_time_distributions_teacher_forced_on_the_dra
 
 
 def test_topk_and_the_markov_ablation():
+    """Each proposer variant against the sequential Markov correction written out with the raw
+    weights: base_k = lm_head(norm(h_k)) (the target's head here), bias(x) = W2 W1[x], slot k
+    corrected by the token drafted before it (the anchor first)."""
     t = make_target()
     d = tiny_draft(t)
     torch.nn.init.normal_(d.markov_head.markov_w2.weight, std=3.0)  # a bias as large as the base logits
-    seq, N = PROMPTS[0], 4
+    N = 4
+    pre_session = spec.TargetSession(t, IDS)
+    pre = pre_session.prefill([PROMPTS[0]])
+    seq = PROMPTS[0] + [int(pre.logits[0, -1].argmax())]  # the first token, from the prefill
     outs = {}
     for name, kw in (("markov", {}), ("topk_all", {"draft_topk": t.vocab_size}), ("top3", {"draft_topk": 3}),
                      ("base", {"markov": False})):
         prop = dspark.Proposer(d, **kw)
         session = spec.TargetSession(t, IDS)
-        _, pre = session.prefill([seq])
-        prop.begin([seq], pre.aux_hidden_states, session.mask)
+        prop.begin([seq], session.prefill([PROMPTS[0]]).aux_hidden_states, session.mask)
         outs[name] = prop.propose([seq], N, Sampling()).tokens[0].tolist()
-    # greedy with the Markov bias: the teacher-forced argmax of the drafted prefix
-    q = _training_time_q(t, d, seq, len(seq) - 1, outs["markov"])
-    assert q.argmax(-1).tolist() == outs["markov"]
-    assert outs["topk_all"] == outs["markov"]
-    base = _training_time_q(t, d, seq, len(seq) - 1, outs["markov"]).log() - \
-        d.markov_head(torch.tensor([seq[-1], *outs["markov"][:-1]]))  # base logits up to a constant per slot
-    assert outs["base"] == base.argmax(-1).tolist()
-    assert all(x in base[k].topk(3).indices.tolist() for k, x in enumerate(outs["top3"]))
-    assert outs["base"] != outs["markov"]  # the random Markov head changes the drafts
+    anchor = len(seq) - 1
+    aux = t.forward(torch.tensor([seq[:anchor]]), aux_layer_ids=IDS).aux_hidden_states
+    with torch.no_grad():
+        kv = d.backbone.context_kv(d.backbone.context(aux), torch.arange(anchor)[None])
+        block = torch.tensor([[seq[anchor]] + [d.config.mask_token_id] * (N - 1)])
+        h = d.backbone.blocks(block, anchor + torch.arange(N)[None], kv, torch.ones(1, 1, N, anchor + N, dtype=torch.bool))
+        base = d.backbone.norm(h)[0] @ t.model.lm_head.weight.T  # [N, V]
+        w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight  # [V, r], [V, r]
+
+        def by_hand(topk=None, markov=True):
+            prev, out = seq[anchor], []
+            for k in range(N):
+                logits = base[k] + (w1[prev] @ w2.T if markov else 0)
+                if topk is not None:  # only the top-k base candidates get a value
+                    keep = base[k].topk(topk).indices
+                    logits = torch.full_like(logits, float("-inf")).scatter(0, keep, logits[keep])
+                prev = int(logits.argmax())
+                out.append(prev)
+            return out
+
+    assert outs["markov"] == by_hand()
+    assert outs["topk_all"] == by_hand(topk=t.vocab_size) == outs["markov"]
+    assert outs["top3"] == by_hand(topk=3)
+    assert outs["base"] == by_hand(markov=False)
+    assert outs["base"] != outs["markov"] and outs["top3"] != outs["base"]  # each variant changes the drafts
 
 
 def test_greedy_decoding_with_a_dspark_draft_is_lossless():
@@ -213,7 +235,7 @@ def test_greedy_decoding_with_a_dspark_draft_is_lossless():
     for n in (1, 4):
         out, stats = generate(t, PROMPTS, 12, dspark.Proposer(d), num_draft_tokens=n)
         assert out == ar and stats.rounds > 0
-    with pytest.raises(Exception, match="proposes at most 4 tokens"):
+    with pytest.raises(Exception, match=r"proposes \(4\); use at most 4"):
         generate(t, PROMPTS, 4, dspark.Proposer(d), num_draft_tokens=5)
 
 

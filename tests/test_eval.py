@@ -13,7 +13,7 @@ def test_expected_accepted_length_and_best_n_by_hand():
     cum = [0.8, 0.6, 0.3, 0.05]
     cond = [0.8, 0.75, 0.5, 1 / 6]
     assert expected_accepted_length(cum, 2) == pytest.approx(2.4)
-    cost = CostModel(draft_per_token=0.01, verify_one=0.1, verify_max=0.14, n_max=4)  # verify +0.01 per token
+    cost = CostModel(draft_fixed=0.0, draft_per_token=0.01, verify_one=0.1, verify_max=0.14, n_max=4)  # verify +0.01/token
     r = best_num_draft_tokens(cum, cond, cost)
     by_hand = [(1 + sum(cum[:n])) / (0.1 + 0.02 * n) for n in range(5)]
     assert [c["tokens_per_s"] for c in r["curve"]] == pytest.approx(by_hand)

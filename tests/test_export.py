@@ -88,7 +88,11 @@ def test_round_trip_is_bit_identical(tmp_path, tiny_draft, tiny_target_dir, fmt)
     d = m["draft"]
     if fmt == "vllm":
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and "midlayer.fc" not in written
-        assert set(written) == set(formats.exporter('eagle3').TENSORS)
+        assert set(written) == {  # vLLM's LlamaForCausalLMEagle3 names (llama_eagle3.py), no embedding
+            "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+            *(f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm",
+                                                "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))}
         layer = cfg
     else:
         assert cfg["speculators_model_type"] == "eagle3"

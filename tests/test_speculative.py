@@ -18,10 +18,23 @@ def tiny_target(vocab=None, seed=0):
     return Target(m, tok, "tiny", "-", "0")
 
 
-class OracleDraft:
-    """Proposes the target's own greedy continuation: every token must be accepted."""
+class TestDraft:
+    """The Draft protocol's attributes for the test drafts below (no aux states, any N)."""
 
     aux_layer_ids: list[int] = []
+    max_draft_tokens = None
+    parallel = False
+
+
+def greedy_continuation(target, seq: list[int], n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        out.append(int(target.model(torch.tensor([seq + out])).logits[0, -1].argmax()))
+    return out
+
+
+class OracleDraft(TestDraft):
+    """Proposes the target's own greedy continuation: every token must be accepted."""
 
     def __init__(self, target, wrong=False):
         self.target, self.wrong = target, wrong
@@ -48,10 +61,24 @@ class OracleDraft:
         return Proposal(torch.tensor(rows))
 
 
-class FixedDistributionDraft:
-    """Samples from a fixed distribution q (not the target's) and says so."""
+class ConstantDraft(TestDraft):
+    """Always proposes one token: what the constant-proposal probe serves in vLLM."""
 
-    aux_layer_ids: list[int] = []
+    def __init__(self, token):
+        self.token = token
+
+    def begin(self, *a):
+        pass
+
+    def commit(self, *a):
+        pass
+
+    def propose(self, sequences, n, sampling):
+        return Proposal(torch.full((len(sequences), n), self.token))
+
+
+class FixedDistributionDraft(TestDraft):
+    """Samples from a fixed distribution q (not the target's) and says so."""
 
     def __init__(self, q, seed=1):
         self.q, self.g = q, torch.Generator().manual_seed(seed)
@@ -95,12 +122,12 @@ def test_oracle_draft_gives_tau_n_plus_1_and_adversarial_gives_1():
 def test_cache_rollback_after_partial_acceptance_is_exact():
     t = tiny_target()
     session = spec.TargetSession(t)
-    pending, _ = session.prefill([PROMPTS[0]])
-    out = session.verify(torch.tensor([[int(pending[0]), 11, 12, 13]]))
+    first = int(session.prefill([PROMPTS[0]]).logits[0, -1].argmax())  # the whole prompt, as vLLM prefills
+    out = session.verify(torch.tensor([[first, 11, 12, 13]]))
     session.commit(torch.tensor([[True, True, False, False]]))  # keep pending + 1 draft token
-    assert session.cache.get_seq_length() == len(PROMPTS[0]) + 1
+    assert session.cache.get_seq_length() == len(PROMPTS[0]) + 2
     after = session.verify(torch.tensor([[50]]))
-    fresh = t.model(torch.tensor([PROMPTS[0] + [11, 50]])).logits[0, -1]
+    fresh = t.model(torch.tensor([PROMPTS[0] + [first, 11, 50]])).logits[0, -1]
     torch.testing.assert_close(after.logits[0, -1], fresh, atol=1e-5, rtol=1e-5)
     assert out.logits.shape[1] == 4
 
@@ -185,7 +212,8 @@ def test_eagle3_proposer_chain_and_commit_equal_the_training_time_steps():
     N, seq = 4, PROMPTS[2]
     prop = Eagle3Proposer(d, draft_sampling="probabilistic", seed=0)
     session = spec.TargetSession(t, [1, 2, 3])
-    _, pre = session.prefill([seq])
+    pre = session.prefill([seq])
+    seq = seq + [int(pre.logits[0, -1].argmax())]  # the first token, from the prefill
     prop.begin([seq], pre.aux_hidden_states, session.mask)
     sampling = Sampling(temperature=1.0)
     for round_ in range(2):
@@ -204,7 +232,8 @@ def test_eagle3_proposer_chain_and_commit_equal_the_training_time_steps():
     # greedy drafting (vLLM's default) proposes the argmax of the same distributions
     greedy, seq = Eagle3Proposer(d), PROMPTS[2]
     session = spec.TargetSession(t, [1, 2, 3])
-    _, pre = session.prefill([seq])
+    pre = session.prefill([seq])
+    seq = seq + [int(pre.logits[0, -1].argmax())]  # the first token, from the prefill
     greedy.begin([seq], pre.aux_hidden_states, session.mask)
     p = greedy.propose([seq], N, Sampling(temperature=1.0))
     want = _training_time_q(t, d, seq + p.tokens[0].tolist(), len(seq) - 2, N)
@@ -235,3 +264,99 @@ def test_greedy_speculative_equals_greedy_smollm2_fp32(smollm2):
         out, stats = generate(smollm2, prompts, 24, NGramDraft(), num_draft_tokens=n, eos_token_ids=[tok.eos_token_id])
         assert out == ar, n
         assert stats.rounds > 0
+
+
+def test_rounds_are_counted_as_vllm_counts_them():
+    """The first token comes from the prefill, then one round per step until a row is done:
+    a constant draft's counts equal export/checks.expected_probe_acceptance, the model of
+    vLLM's counting that the real vLLM matches exactly (tests/test_vllm.py)."""
+    from export.checks import expected_probe_acceptance, pick_probe_token
+
+    t = tiny_target()
+    N, max_new = 3, 20
+    ar, _ = generate(t, PROMPTS, max_new)
+    token = pick_probe_token(ar, N, t.vocab_size - 1)
+    out, stats = generate(t, PROMPTS, max_new, ConstantDraft(token), num_draft_tokens=N)
+    assert out == ar
+    want = [expected_probe_acceptance(o, token, N) for o in ar]
+    assert stats.counts() == {"num_drafts": sum(w["num_drafts"] for w in want),
+                              "num_accepted_tokens": sum(w["num_accepted_tokens"] for w in want),
+                              "accepted_per_position": [sum(w["accepted_per_position"][j] for w in want)
+                                                        for j in range(N)]}
+    assert stats.accepted > 0 and stats.rounds == sum(len(o) - 1 for o in ar) - stats.accepted  # no round past the end
+    # a first token that ends the row: no draft round at all (vLLM never drafts for it)
+    first = [o[0] for o in ar]
+    _, ended = generate(t, PROMPTS, max_new, ConstantDraft(token), num_draft_tokens=N, eos_token_ids=first)
+    assert ended.rounds == 0 and ended.generated == len(PROMPTS)
+
+
+def _tiny_draft(t, algorithm):
+    """A random draft of each algorithm on the tiny target, aux layers 1..3."""
+    from trainer.drafts import build, get
+
+    torch.manual_seed(0)
+    extra = {"eagle3": {"draft_vocab_size": 128}, "dflash": {"num_hidden_layers": 2, "block_size": 5},
+             "dspark": {"num_hidden_layers": 2, "block_size": 4, "markov_rank": 8}}[algorithm]
+    if algorithm != "eagle3":
+        extra["mask_token_id"] = t.vocab_size - 1
+    cfg = get(algorithm).Config(**extra).fill_from_target(t.model.config, [1, 2, 3])
+    d = build(algorithm, cfg, t)
+    for name, p in d.named_parameters():
+        torch.nn.init.normal_(p, mean=1.0 if "norm" in name else 0.0, std=0.3)
+    if algorithm == "eagle3":
+        d.set_vocab(torch.arange(128) * 2 - torch.arange(128), torch.arange(t.vocab_size) % 2 == 0)  # even ids
+    return d
+
+
+class HalfRight(TestDraft):
+    """A real proposer whose tokens are replaced, slot by slot with probability 1/2, by the
+    target's greedy continuation: partial acceptance (and so rollback of the proposer's state)
+    in most rounds. At every round it also checks that the proposer's incremental state equals
+    a fresh proposer's begun on the committed tokens (its first-slot distribution)."""
+
+    def __init__(self, target, make, seed=0):
+        self.t, self.make, self.inner = target, make, make()
+        self.aux_layer_ids = self.inner.aux_layer_ids
+        self.max_draft_tokens = self.inner.max_draft_tokens
+        self.g = torch.Generator().manual_seed(seed)
+        self.checked = 0
+
+    def begin(self, sequences, aux, mask):
+        self.inner.begin(sequences, aux, mask)
+
+    def commit(self, sequences, aux, keep):
+        self.inner.commit(sequences, aux, keep)
+
+    def propose(self, sequences, n, sampling):
+        probe = Sampling(temperature=1.0)
+        fresh = self.make()
+        session = spec.TargetSession(self.t, self.aux_layer_ids)
+        pre = session.prefill([s[:-1] for s in sequences])  # every committed position, padded, in one forward
+        fresh.begin([list(s) for s in sequences], pre.aux_hidden_states, session.mask)
+        want = fresh.propose(sequences, 1, probe).q[:, 0]
+        got = self.inner.propose(sequences, 1, probe).q[:, 0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        self.checked += 1
+        x = self.inner.propose(sequences, n, sampling).tokens.clone()
+        for r, seq in enumerate(sequences):
+            right = greedy_continuation(self.t, list(seq), n)
+            for j in range(n):
+                if torch.rand(1, generator=self.g) < 0.5:
+                    x[r, j] = right[j]
+        return Proposal(x)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash", "dspark"])
+def test_partial_acceptance_is_lossless_and_rolls_the_draft_back_exactly(algorithm):
+    from trainer.drafts import get
+
+    t = tiny_target()
+    d = _tiny_draft(t, algorithm)
+    make = lambda: get(algorithm).Proposer(d, draft_sampling="probabilistic")  # noqa: E731
+    ar, _ = generate(t, PROMPTS, 14)
+    draft = HalfRight(t, make)
+    out, stats = generate(t, PROMPTS, 14, draft, num_draft_tokens=3)
+    assert out == ar
+    assert 0 < stats.accepted < 3 * stats.rounds and draft.checked == stats.iterations
+    partial = stats.accepted_at[0] - stats.accepted_at[-1]  # rounds that accepted some but not all
+    assert partial > 0, stats.accepted_at

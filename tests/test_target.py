@@ -2,13 +2,8 @@ import pytest
 import torch
 
 from trainer.errors import TargetError
-from trainer.target import (
-    Target,
-    entering_to_output,
-    load_target,
-    output_to_entering,
-    resolve_target,
-)
+from trainer.layer_ids import entering_to_output, output_to_entering
+from trainer.target import Target, load_target, resolve_target
 
 
 def _hf_hidden_states(target, ids):

@@ -205,7 +205,7 @@ def test_online_training_equals_offline_training_on_an_fp32_capture(tmp_path, ti
     same states, vocabulary and order: the same run."""
     prepared = tiny_capture.parent / "prepared"
     common = ["max_steps=4", "log_every=1", "batch_size=2"]
-    on = train.run(_cfg(prepared, tiny_target_dir, tmp_path / "on", "online=true", "draft_vocab_size=64", *common))
+    on = train.run(_cfg(prepared, tiny_target_dir, tmp_path / "on", "online=true", "draft.draft_vocab_size=64", *common))
     off = train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / "off", *common))
     assert [h["loss"] for h in on["history"]] == pytest.approx([h["loss"] for h in off["history"]], rel=1e-5)
     won, woff = load_file(tmp_path / "on" / "model.safetensors"), load_file(tmp_path / "off" / "model.safetensors")

@@ -173,7 +173,9 @@ def to_yaml(cfg: Any) -> str:
 # ---------------------------------------------------------------------------
 from dataclasses import dataclass, field  # noqa: E402
 
-from trainer.target import DEFAULT_TARGET, check_layer_ids  # noqa: E402
+from trainer.drafts.shape import DEFAULT_DRAFT_VOCAB_SIZE  # noqa: E402
+from trainer.layer_ids import check_layer_ids  # noqa: E402
+from trainer.target import DEFAULT_TARGET  # noqa: E402
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -231,7 +233,7 @@ class CaptureConfig:
     max_samples: int | None = None
     samples_per_shard: int = 256
     max_tokens_per_batch: int = 4096  # padded tokens per forward
-    draft_vocab_size: int = 32000  # Vd: the top-Vd loss-masked tokens (EAGLE-3 uses 32000)
+    draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE  # Vd: the top-Vd loss-masked tokens (EAGLE-3 uses 32000)
     resume: bool = True  # continue a partial capture of the same config in output_dir
     overwrite: bool = False
     seed: int = 0
@@ -263,7 +265,6 @@ class TrainConfig:
     algorithm: str = "eagle3"  # a key of trainer.drafts.DRAFTS
     target: str = DEFAULT_TARGET
     online: bool = False  # hidden states from the target in the loop instead of a capture
-    draft_vocab_size: int = 32000  # online only (from the prepared data); offline takes the capture's
     # The draft's shape and objective: the `Config` of the chosen algorithm's module
     # (trainer/drafts/<algorithm>.py), checked against that schema at load time.
     draft: dict[str, Any] = field(default_factory=dict)
@@ -312,32 +313,38 @@ class EvalConfig:
     dataset: str = "gsm8k"  # gsm8k | math500 | humaneval | mtbench | sharegpt | jsonl:PATH
     num_prompts: int = 16
     max_new_tokens: int = 128
-    num_draft_tokens: int = 4  # vLLM's num_speculative_tokens
+    # vLLM's num_speculative_tokens. null: the positions the draft was trained on (its
+    # Config.num_positions: EAGLE-3's TTT steps, a DFlash block's B-1, a DSpark block's B);
+    # NGRAM_DRAFT_TOKENS for the n-gram baseline.
+    num_draft_tokens: int | None = None
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
     # How the draft picks its tokens under sampling, vLLM 0.32's `draft_sample_method`
     # (vllm/config/speculative.py): "greedy" (its default: argmax proposals, one-hot q in
-    # rejection sampling) or "probabilistic" (x ~ q, q in the ratio test).
+    # rejection sampling) or "probabilistic" (x ~ softmax(logits / temperature), q in the ratio test).
     draft_sampling: str = "greedy"
-    # DSpark drafts only: the Markov correction for the top-k base candidates alone (vLLM's
-    # `dspark_draft_topk`; null: every token), and the ablation run without the Markov head.
-    draft_topk: int | None = None
-    markov_ablation: bool = False
+    # Keyword options of the algorithm's proposer (its OPTIONS, e.g. DSpark's draft_topk), and
+    # variants it declares (its ABLATIONS, e.g. DSpark's without_markov) decoded and reported too.
+    draft_options: dict[str, Any] = field(default_factory=dict)
+    ablations: list[str] = field(default_factory=list)
     batch_size: int = 1
     output_dir: str = "runs/eval"
     seed: int = 0
     overwrite: bool = True  # a report folder is a measurement: re-running replaces it
 
     def validate(self) -> None:
-        if self.num_draft_tokens < 1 or self.num_prompts < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ConfigError("num_draft_tokens, num_prompts, max_new_tokens and batch_size must be >= 1")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
+            raise ConfigError("num_draft_tokens must be >= 1, or null for the positions the draft was trained on")
+        if self.num_prompts < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ConfigError("num_prompts, max_new_tokens and batch_size must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
         if self.draft_sampling not in ("greedy", "probabilistic"):
             raise ConfigError(f"draft_sampling '{self.draft_sampling}' is not one of greedy, probabilistic")
-        if self.draft_topk is not None and self.draft_topk < 1:
-            raise ConfigError("draft_topk must be >= 1 (or null: the Markov correction for every token)")
+
+
+NGRAM_DRAFT_TOKENS = 4  # the n-gram baseline's N when none is given
 
 
 @dataclass
@@ -347,13 +354,18 @@ class ExportConfig:
     draft: str = MISSING  # a recipes/train.py output_dir
     output_dir: str = MISSING
     target: str = DEFAULT_TARGET  # must be the target the draft was trained on
-    format: str = "vllm"  # vllm (vLLM-native) | speculators (EAGLE-3 only); the exporter says which it writes
+    format: str = "vllm"  # the algorithm's exporter says which it writes (EAGLE-3: vllm | speculators)
     dtype: str = "bfloat16"  # of the unquantized tensors: bfloat16 | float16 | float32
     quantize: str = "none"  # none | fp8
     fp8_scheme: str = "ptpc_fp8"  # per-channel FP8 weights + dynamic per-token FP8 activations
     quantize_fc: bool = False  # AMD's shipped FP8 drafts keep fc in BF16
     quantize_qkv: bool = True  # q/k/v FP8 (false: BF16, all layers; see scripts/compare_drafts.py for the measured gate)
-    num_draft_tokens: int = 3  # written into the serve command (and speculators_config)
+    # N written into the serve command (and speculators_config, and the FP8 gate). null: the
+    # positions the draft was trained on (Config.num_positions).
+    num_draft_tokens: int | None = None
+    # Proposer options the export serves with (written where vLLM reads them, e.g. DSpark's
+    # draft_topk as dspark_draft_topk); the FP8 gate decodes with them too.
+    draft_options: dict[str, Any] = field(default_factory=dict)
     # FP8 acceptance gate: τ of the FP8 draft vs its BF16 source, in-tree, greedy, held-out prompts.
     gate: bool = True
     gate_dataset: str = "mtbench"  # not a training source: held out
@@ -363,14 +375,14 @@ class ExportConfig:
     overwrite: bool = False
 
     def validate(self) -> None:
-        if self.format not in ("vllm", "speculators"):
-            raise ConfigError(f"format '{self.format}' is not one of vllm, speculators")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError(f"dtype '{self.dtype}' is not one of bfloat16, float16, float32")
         if self.quantize not in ("none", "fp8"):
             raise ConfigError(f"quantize '{self.quantize}' is not one of none, fp8")
-        if self.num_draft_tokens < 1 or self.gate_prompts < 1 or self.gate_max_new_tokens < 1:
-            raise ConfigError("num_draft_tokens, gate_prompts and gate_max_new_tokens must be >= 1")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
+            raise ConfigError("num_draft_tokens must be >= 1, or null for the positions the draft was trained on")
+        if self.gate_prompts < 1 or self.gate_max_new_tokens < 1:
+            raise ConfigError("gate_prompts and gate_max_new_tokens must be >= 1")
         if not 0 <= self.max_tau_drop < 1:
             raise ConfigError("max_tau_drop is a fraction of the BF16 τ in [0, 1)")
 
@@ -392,7 +404,9 @@ class DemoConfig:
                                                                    output_dir="(set by the demo)"))
     # The draft section (train.draft) per algorithm, so that `algorithm=` alone switches the demo.
     draft_by_algorithm: dict[str, Any] = field(default_factory=dict)
-    num_draft_tokens: int = 3  # for export (the serve command), the FP8 gate and the evaluation
+    # for export (the serve command), the FP8 gate and the evaluation; null: the positions the
+    # draft is trained on (EAGLE-3's TTT steps, a DFlash block's B-1, a DSpark block's B)
+    num_draft_tokens: int | None = None
     eval_dataset: str = "mtbench"  # held out from training (ShareGPT)
     eval_prompts: int = 8
     eval_max_new_tokens: int = 64
@@ -411,8 +425,9 @@ class DemoConfig:
         self.prepare.validate()
         self.capture.validate()
         self.train.validate()
-        if self.num_draft_tokens < 1 or self.eval_prompts < 1 or self.gate_prompts < 1:
-            raise ConfigError("num_draft_tokens, eval_prompts and gate_prompts must be >= 1")
+        if (self.num_draft_tokens is not None and self.num_draft_tokens < 1) or self.eval_prompts < 1 \
+                or self.gate_prompts < 1:
+            raise ConfigError("num_draft_tokens (or null), eval_prompts and gate_prompts must be >= 1")
 
 
 def _schemas() -> dict[str, type]:

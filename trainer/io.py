@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -17,6 +18,14 @@ from trainer.errors import DraftsmithError
 
 PROVENANCE_PACKAGES = ("draftsmith", "torch", "transformers", "accelerate", "datasets", "safetensors",
                        "huggingface_hub", "deepspeed", "amd-quark")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _umask() -> int:

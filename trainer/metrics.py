@@ -38,17 +38,39 @@ def expected_accepted_length(cumulative: list[float], n: int) -> float:
 
 @dataclass
 class CostModel:
-    """Seconds per round: draft_per_token * n + verify(n), verify linear in the tokens scored,
-    fitted through the two measured points (1 token: autoregressive; n_max + 1: speculative)."""
+    """Seconds per round with n draft tokens: the draft's cost, `draft_fixed + draft_per_token
+    * n`, plus the target's verify(n), linear in the tokens scored and fitted through the two
+    measured points (1 token: autoregressive decoding; n_max + 1: the speculative run).
 
+    What a draft costs per round is measured, not assumed (`fit`): its commit (the work on
+    the tokens just verified: EAGLE-3's draft forward over them, DFlash's context keys and
+    values) is paid once a round whatever n is; its proposal is n chained steps for EAGLE-3
+    and n-gram, but one forward over the whole block for DFlash and DSpark (flat in n)."""
+
+    draft_fixed: float
     draft_per_token: float
     verify_one: float
     verify_max: float
     n_max: int
 
+    @classmethod
+    def fit(cls, autoregressive, speculative, n: int, parallel: bool) -> CostModel:
+        """From two measured decodes (trainer.speculative.DecodeStats) of the same prompts:
+        plain (`autoregressive`) and with the draft at n tokens a round. parallel: the draft
+        proposes all n in one forward (its proposal time is per round, not per token)."""
+        rounds = max(speculative.iterations, 1)
+        propose = speculative.propose_s / rounds
+        commit = speculative.commit_s / rounds  # begin included: paid once per prompt, spread over its rounds
+        return cls(draft_fixed=commit + (propose if parallel else 0.0),
+                   draft_per_token=0.0 if parallel else propose / max(n, 1),
+                   verify_one=autoregressive.verify_s / max(autoregressive.iterations, 1),
+                   verify_max=speculative.verify_s / rounds, n_max=n)
+
     def round_seconds(self, n: int) -> float:
+        """n = 0 is plain decoding: no draft at all."""
         slope = (self.verify_max - self.verify_one) / self.n_max if self.n_max else 0.0
-        return self.draft_per_token * n + self.verify_one + slope * n
+        draft = self.draft_fixed + self.draft_per_token * n if n else 0.0
+        return draft + self.verify_one + slope * n
 
 
 def best_num_draft_tokens(cumulative: list[float], conditional: list[float], cost: CostModel) -> dict:

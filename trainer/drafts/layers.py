@@ -14,21 +14,6 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 
-def fill_shape_from_target(cfg, t) -> None:
-    """Set a draft config's null shape fields from the target's text config `t`: the draft
-    layer takes the target's shape (and must share its hidden size: the embedding is shared)."""
-    for name, value in (("hidden_size", t.hidden_size), ("intermediate_size", t.intermediate_size),
-                        ("num_attention_heads", t.num_attention_heads),
-                        ("num_key_value_heads", getattr(t, "num_key_value_heads", t.num_attention_heads)),
-                        ("head_dim", getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads),
-                        ("rms_norm_eps", t.rms_norm_eps), ("max_position_embeddings", t.max_position_embeddings),
-                        ("rope_parameters", dict(getattr(t, "rope_parameters", None) or
-                                                 {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)})),
-                        ("target_hidden_size", t.hidden_size), ("vocab_size", t.vocab_size)):
-        if getattr(cfg, name) is None:
-            setattr(cfg, name, value)
-
-
 def RMSNorm(size: int, eps: float) -> nn.Module:  # noqa: N802 (a module factory)
     """Llama's RMSNorm (Zhang & Sennrich 2019), computed in fp32 and cast back; parameter `weight`."""
     return LlamaRMSNorm(size, eps=eps)
