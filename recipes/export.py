@@ -31,7 +31,10 @@ from trainer.errors import DraftsmithError
 
 FLAGS = {"--draft": ("draft", "the trained draft folder (recipes/train.py output_dir)"),
          "--output-dir": ("output_dir", "the export folder to write (refused if it exists, unless --overwrite)"),
-         "--target": ("target", "the target the draft was trained for: alias, HF folder or .gguf"),
+         "--target": ("target", "the target the draft was trained for: alias, HF folder or .gguf (default: the one "
+                                "the draft records)"),
+         "--chat-template": ("chat_template", "the FP8 gate prompts' Jinja chat template file (default: the draft's "
+                                              "data template, else the target's)"),
          "--format": ("format", "vllm (vLLM-native) or speculators (EAGLE-3 only)"),
          "--dtype": ("dtype", "dtype of the unquantized tensors: bfloat16, float16 or float32"),
          "--quantize": ("quantize", "none or fp8 (AMD Quark)"),
@@ -46,7 +49,8 @@ REPEATED = {"--draft-option": ("draft_options", "KEY=VALUE", "a proposer option 
 SWITCHES = {"--overwrite": ("overwrite=true", "replace an existing output folder"),
             "--quantize-fc": ("quantize_fc=true", "FP8 fc too (AMD's shipped drafts keep it BF16)"),
             "--no-gate": ("gate=false", "skip the FP8 acceptance gate"),
-            "--keep-qkv-bf16": ("quantize_qkv=false", "keep every draft layer's q/k/v in BF16 under FP8")}
+            "--keep-qkv-bf16": ("quantize_qkv=false", "keep every draft layer's q/k/v in BF16 under FP8"),
+            "--no-chat-template": ("no_chat_template=true", "FP8 gate prompts as plain text (base models)")}
 
 
 def run(cfg: ExportConfig, argv=None) -> dict:
@@ -65,9 +69,17 @@ def run(cfg: ExportConfig, argv=None) -> dict:
                                  draft_cfg["draft"], cfg.draft_options)
     staging = fresh_output_dir(out, cfg.overwrite)  # refuses an existing output_dir before any work
     try:
-        target = load_target(cfg.target)
+        from recipes._common import target_for
+
+        target = load_target(target_for(str(draft_dir), cfg.target))
         formats.check_against_target(draft_cfg, target, draft_dir)
-        extra = {"command": "draftsmith export " + " ".join(argv or [])}
+        from export.servable import servability
+
+        served = servability(list(getattr(target.model.config, "architectures", None) or []), draft_cfg["algorithm"])
+        if not served.servable and cfg.require_servable:
+            raise DraftsmithError(f"export: {served.line} (require_servable=true)")
+        extra = {"command": "draftsmith export " + " ".join(argv or []),
+                 "servable": {"servable": served.servable, "line": served.line}}
         if cfg.quantize == "none":
             manifest = formats.write_export(staging, draft_cfg, state, target, cfg.format, cfg.dtype,
                                             cfg.num_draft_tokens, draft_dir, extra, cfg.draft_options)
@@ -113,14 +125,14 @@ def export_fp8(cfg: ExportConfig, staging: Path, draft_cfg: dict, state: dict, t
 
 def fp8_gate(cfg: ExportConfig, bf16_dir: Path, fp8_dir: Path, manifest: dict, target) -> dict:
     from export import formats
-    from recipes._common import load_proposer
-    from trainer.data.evalsets import chat_prompt_ids, load_prompts
+    from recipes._common import load_proposer, prompt_ids
+    from trainer.data.evalsets import load_prompts
     from trainer.speculative import measure
 
     # the FP8 folder is not complete yet: give load_export the manifest it checks
     formats.write_manifest(fp8_dir, {k: v for k, v in manifest.items() if k != "files"})
-    tok = target.tokenizer
-    prompts = chat_prompt_ids(tok, load_prompts(cfg.gate_dataset, cfg.gate_prompts))
+    prompts = prompt_ids(target, load_prompts(cfg.gate_dataset, cfg.gate_prompts), cfg.draft, cfg.chat_template,
+                         cfg.no_chat_template, "export --chat-template (the FP8 gate's prompts)")
     taus = {}
     for name, path in (("bf16", bf16_dir), ("fp8", fp8_dir)):
         draft, _ = load_proposer(str(path), target, **cfg.draft_options)
@@ -158,6 +170,8 @@ def format_summary(m: dict) -> str:
                      f"bound -{g['max_tau_drop']:.0%})")
     if m.get("serve"):
         lines.append(f"  serve: {m['serve']}")
+    if m.get("servable") and not m["servable"]["servable"]:
+        lines.append(f"  warning: {m['servable']['line']}")
     return "\n".join(lines)
 
 

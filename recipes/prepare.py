@@ -14,7 +14,14 @@ from tqdm.auto import tqdm
 
 from recipes._common import one_line_errors, parse_args
 from trainer.config import PrepareConfig, to_yaml
-from trainer.data.chat import SKIP_REASONS, BadRecord, count_reasons, normalize, tokenize_chat
+from trainer.data.chat import (
+    SKIP_REASONS,
+    BadRecord,
+    count_reasons,
+    normalize,
+    resolve_template,
+    tokenize_chat,
+)
 from trainer.data.prepared import FORMAT
 from trainer.data.sources import read_chats
 from trainer.errors import DataError
@@ -50,7 +57,15 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
 
     tmp = fresh_output_dir(cfg.output_dir, cfg.overwrite)
     try:
-        # 1. Read and validate records.
+        # 1. The target's tokenizer and the chat template, checked before any record is read.
+        source = resolve_target(cfg.target)
+        digest = content_hash(source)
+        from transformers import AutoTokenizer
+
+        hf_dir = gguf_to_hf_dir(source, digest) if source.kind == "gguf" else source.path
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        template = resolve_template(tokenizer, cfg.chat_template, "prepare chat_template", f"target {source.name}")
+        # 2. Read and validate records (and regenerate the answers with the target).
         records, report = read_chats(cfg.source, cfg.max_records)
         kept, skipped = [], []  # kept: {"index", "messages"}; skipped: (index, reason)
         for index, record in tqdm(records, desc="read", unit="rec"):
@@ -65,12 +80,8 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
                             f"after {report.records_read} complete records; strict=true stops here (strict=false "
                             "reads every complete record and says so)")
 
-        # 2. The target's tokenizer (and the model itself only when regenerating).
-        source = resolve_target(cfg.target)
-        digest = content_hash(source)
         if cfg.regenerate.enabled:
             target = load_target(cfg.target)
-            tokenizer = target.tokenizer
             from trainer.data.regenerate import regenerate
 
             rg = cfg.regenerate
@@ -78,22 +89,17 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
             with tqdm(total=total, desc="regenerate", unit="turn") as bar:
                 convs = regenerate(target, [r["messages"] for r in kept], max_new_tokens=rg.max_new_tokens,
                                    temperature=rg.temperature, top_p=rg.top_p, top_k=rg.top_k,
-                                   batch_size=rg.batch_size, seed=cfg.seed, chat_template=cfg.chat_template,
+                                   batch_size=rg.batch_size, seed=cfg.seed, chat_template=template,
                                    progress=bar.update)
             for r, messages in zip(kept, convs):
                 r["messages"] = messages
             del target
-        else:
-            from transformers import AutoTokenizer
-
-            hf_dir = gguf_to_hf_dir(source, digest) if source.kind == "gguf" else source.path
-            tokenizer = AutoTokenizer.from_pretrained(hf_dir)
 
         # 3. Tokenize with the chat template and build the assistant loss mask.
         ds = Dataset.from_list(kept) if kept else Dataset.from_dict({"index": [], "messages": []})
         ds = ds.map(_tokenize_batch, batched=True, num_proc=cfg.num_proc if len(ds) > cfg.num_proc else None,
                     fn_kwargs={"tokenizer": tokenizer, "max_length": cfg.max_length,
-                               "chat_template": cfg.chat_template},
+                               "chat_template": template},
                     remove_columns=["messages"], desc="tokenize")
         late = [(i, *r.split("\t", 1)) for i, r in zip(ds["index"], ds["skip"]) if r]
         if cfg.strict and late:
@@ -107,7 +113,6 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
 
         lengths = list(ds["length"])
         assistant = sum(sum(map(sum, b["loss_mask"])) for b in ds.iter(batch_size=1024))
-        template = cfg.chat_template or tokenizer.chat_template or ""
         summary = {
             "format": FORMAT,
             "source": cfg.source, "source_path": report.path,
@@ -120,6 +125,7 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
             "regenerated": cfg.regenerate.enabled,
             "target": source.name, "target_path": str(source.path), "target_sha256": digest,
             "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+            "chat_template": template,  # the text: eval and regeneration of this data's drafts use it
         }
         ds.save_to_disk(str(tmp / "data"))
         atomic_write_json(tmp / "summary.json", summary)

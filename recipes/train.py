@@ -148,7 +148,8 @@ def load_data(cfg: TrainConfig, target):
                                                  target.vocab_size))
         ids = list(cfg.draft.aux_layer_ids or algo.default_layer_ids(target.num_layers))
         target.check_layer_ids(ids)
-        return PreparedSamples(ds, cfg.max_length), ids, d2t, t2d, counts, {"prepared": str(cfg.data)}
+        return PreparedSamples(ds, cfg.max_length), ids, d2t, t2d, counts, {
+            "prepared": str(cfg.data), "chat_template": summary.get("chat_template")}
     info = verify_capture(cfg.data)  # manifest complete, shards intact and as described (hashed once here)
     m = info.manifest
     t = m["target"]
@@ -162,7 +163,8 @@ def load_data(cfg: TrainConfig, target):
                or algo.default_layer_ids(target.num_layers))
     vocab = load_file(info.path / DRAFT_VOCAB)
     dataset = CapturedSamples(info.path, cfg.max_length, ids)  # refuses ids the capture does not hold
-    return dataset, ids, vocab["d2t"], vocab["t2d"], vocab["counts"], {"capture": str(cfg.data)}
+    return dataset, ids, vocab["d2t"], vocab["t2d"], vocab["counts"], {
+        "capture": str(cfg.data), "chat_template": m["data"].get("chat_template")}
 
 
 def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
@@ -203,6 +205,11 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
     # Offline, only the embedding, final norm and LM head are read: the decoder layers are never loaded.
     target = load_target(cfg.target, "float32" if accelerator.device.type == "cpu" else "bfloat16", accelerator.device,
                          head_only=not cfg.online)
+    from export.servable import check_servable
+
+    for line in check_servable(target, [cfg.algorithm], cfg.require_servable, "train"):  # before hours of work
+        if accelerator.is_main_process:
+            print(line, file=sys.stderr)
     dataset, aux_ids, d2t, t2d, counts, data_desc = load_data(cfg, target)
     draft_cfg = dataclasses.replace(cfg.draft).fill_from_target(target.model.config.get_text_config(), aux_ids,
                                                                  int(d2t.numel()))
@@ -299,7 +306,8 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
         atomic_write_json(out / "train_report.json", report)
         write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
                                             "seed": cfg.seed, "world_size": accelerator.num_processes,
-                                            "algorithm": cfg.algorithm, **data_desc}, argv)
+                                            "algorithm": cfg.algorithm,
+                                            **{k: v for k, v in data_desc.items() if k != "chat_template"}}, argv)
     accelerator.end_training()
     return report
 

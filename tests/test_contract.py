@@ -102,3 +102,39 @@ def test_the_training_step_measures_num_positions(algorithm, tiny_target):
     K = cfg.num_positions
     assert m.loss.dim() == 0 and m.position_loss.shape == m.correct.shape == m.count.shape == (K,)
     assert cfg.max_draft_tokens is None or cfg.max_draft_tokens >= K  # the served N fits what was trained
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_gradient_checkpointing_changes_memory_not_results(algorithm, tiny_target):
+    """`gradient_checkpointing: true` (recipes/train.py sets draft.gradient_checkpointing)
+    recomputes parts in backward: the same loss and gradients, for every algorithm."""
+    from trainer.capture import capture_batch
+
+    algo = get(algorithm)
+    cfg = tiny_config(algorithm, tiny_target.model.config, data_vocab_size=tiny_target.vocab_size)
+    ids = torch.arange(5, 45).reshape(2, 20)
+    attn = torch.ones_like(ids)
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": attn.clone(),
+             **capture_batch(tiny_target, ids, attn, cfg.aux_layer_ids)}
+    runs, recomputed = [], []
+    for on in (False, True):
+        torch.manual_seed(0)
+        draft = build(algorithm, cfg, tiny_target).train()
+        draft.gradient_checkpointing = on
+        calls = []
+        hook = torch.utils.checkpoint  # count the recomputed regions: the switch must do something
+        real = hook.checkpoint
+        hook.checkpoint = lambda *a, calls=calls, real=real, **k: calls.append(1) or real(*a, **k)
+        try:
+            torch.manual_seed(1)
+            m = algo.training_step(draft, batch, algo.target_labels(tiny_target, batch, draft))
+            m.loss.backward()
+        finally:
+            hook.checkpoint = real
+        recomputed.append(len(calls))
+        runs.append((m.loss.detach(), {n: p.grad for n, p in draft.named_parameters() if p.grad is not None}))
+    assert recomputed[0] == 0 < recomputed[1], recomputed
+    torch.testing.assert_close(runs[0][0], runs[1][0])
+    assert runs[0][1].keys() == runs[1][1].keys()
+    for name in runs[0][1]:
+        torch.testing.assert_close(runs[0][1][name], runs[1][1][name], msg=name)

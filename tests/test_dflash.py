@@ -229,3 +229,72 @@ def test_missing_weights_are_found_by_name():
                                     "model.embed_tokens.weight", "lm_head.weight",
                                     "model.layers.0.self_attn.qkv_proj.weight_scale")]
     assert checks.missing_in_vllm(export, loaded) == ["model.hidden_norm.weight"]
+
+
+def _batch(t, seqs, mask_from=2):
+    """A right-padded batch with its captured states, assistant tokens from `mask_from` on."""
+    from trainer.capture import capture_batch
+
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for r, s in enumerate(seqs):
+        ids[r, :len(s)], attn[r, :len(s)] = torch.tensor(s), 1
+    loss_mask = attn.clone()
+    loss_mask[:, :mask_from] = 0
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, **capture_batch(t, ids, attn, IDS)}
+
+
+@pytest.mark.parametrize("labels_from", ["target", "data"])
+def test_training_loss_is_the_dflash_recipe_written_out(labels_from):
+    """Per sample, per valid anchor a, one block at a time: slot k (1..B-1) predicts the token
+    at a+k (the target's greedy token there, or the data's), CE weighted exp(-(k-1)/gamma),
+    stopping at the first slot outside the assistant span; each sample's weighted mean, then
+    the mean over samples."""
+    t = make_target()
+    t.model.double()
+    d = tiny_draft(t).double()
+    d.config.labels = labels_from
+    seqs = [PROMPTS[1] + PROMPTS[0], PROMPTS[2]]
+    batch = _batch(t, seqs)
+    torch.manual_seed(3)
+    labels = dflash.target_labels(t, batch, d)
+    got = dflash.training_step(d, batch, labels)
+    per_sample = []
+    for b, seq in enumerate(seqs):
+        T = len(seq)
+        greedy = t.forward(torch.tensor([seq])).logits[0].argmax(-1)  # [T] the target's token after each position
+        num, den = 0.0, 0.0
+        for a, ok in zip(labels["anchors"][b].tolist(), labels["valid"][b].tolist()):
+            if not ok:
+                continue
+            logits = _block_logits(t, d, seq, a, d.config.block_size - 1)  # [B-1, V]: slots 1..B-1
+            for k in range(1, d.config.block_size):
+                if a + k >= T or not batch["loss_mask"][b, a + k]:
+                    break
+                want = int(greedy[a + k - 1]) if labels_from == "target" else seq[a + k]
+                w = float(torch.exp(torch.tensor(-(k - 1) / d.config.gamma)))
+                num = num + w * torch.nn.functional.cross_entropy(logits[k - 1], torch.tensor(want))
+                den += w
+        per_sample.append(num / max(den, 1e-6))
+    torch.testing.assert_close(got.loss.double(), sum(per_sample) / len(per_sample), rtol=1e-6, atol=1e-7)
+
+
+def test_chunked_loss_rows_equal_one_pass():
+    """loss_chunk_rows bounds the [rows, V] logits alive at once (recomputed in backward): the
+    same loss and gradients as one pass."""
+    t = make_target()
+    batch = _batch(t, [PROMPTS[1] + PROMPTS[0], PROMPTS[2] + PROMPTS[1]])
+    results = []
+    for chunk in (0, 5):
+        d = tiny_draft(t).train()
+        d.config.loss_chunk_rows = chunk
+        torch.manual_seed(1)
+        m = dflash.training_step(d, batch, dflash.target_labels(t, batch, d))
+        m.loss.backward()
+        results.append((m, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    (m0, g0), (m1, g1) = results
+    torch.testing.assert_close(m0.loss, m1.loss)
+    assert torch.equal(m0.correct, m1.correct) and g0.keys() == g1.keys() and "fc.weight" in g0
+    for name in g0:
+        torch.testing.assert_close(g0[name], g1[name], msg=name)

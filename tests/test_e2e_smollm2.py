@@ -123,3 +123,30 @@ def test_inspect_capture_verifies_hashes(demo_run):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].endswith("shard-00001.safetensors does not match its size/sha256 in manifest.json "
                                                          "(changed or truncated); capture again")
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
+def test_demo_runs_every_algorithm(tmp_path, algorithm):
+    """`draftsmith demo algorithm=...` end to end on a minimal budget: the block draft is exported,
+    gated and measured at the block it was trained on (DFlash: B-1 = 7, DSpark: B = 7), and the
+    variants the algorithm declares (DSpark: without_markov) are in its table."""
+    import contextlib
+    import io
+
+    from trainer.drafts import get
+
+    out = tmp_path / "run"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        demo.main(["--config", str(DEMO), f"output_dir={out}", f"algorithm={algorithm}", "prepare.max_records=40",
+                   "prepare.max_length=512", "capture.max_samples=6", "capture.samples_per_shard=8",
+                   "train.max_steps=3", "train.max_length=512", "eval_prompts=1", "eval_max_new_tokens=10",
+                   "gate_prompts=1"])
+    text = printed.getvalue()
+    assert "[6/6]" in text and "FP8 vs BF16: τ" in text and "FP8 gate at export" in text
+    assert f'"method": "{algorithm}"' in text and '"num_speculative_tokens": 7' in text
+    report = json.loads((out / "export-bf16" / "eval" / "report.json").read_text())
+    assert report["num_draft_tokens"] == 7 and report["cost_model"]["parallel"] is True
+    assert set(report.get("ablations", {})) == set(get(algorithm).Proposer.ABLATIONS)
+    for name in get(algorithm).Proposer.ABLATIONS:
+        assert f"BF16 {name}: τ" in text

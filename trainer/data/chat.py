@@ -99,6 +99,46 @@ class Tokenized:
     loss_mask: list[int]  # 1 exactly on assistant tokens (content and end-of-turn)
 
 
+def resolve_template(tokenizer, given: str | None, where: str, owner: str = "the target") -> str:
+    """The chat template to use: `given` (the text of a Jinja template, or a path to a file
+    holding one) or the tokenizer's own; checked once, before any work. One line when there is
+    none or it does not parse (naming its line)."""
+    import os
+
+    from trainer.errors import DataError
+
+    text = given
+    if given is not None and "{" not in given and os.path.isfile(given):
+        try:
+            text = open(given, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise DataError(f"{where}: chat template file '{given}' cannot be read ({err}); pass a UTF-8 Jinja file") \
+                from None
+    text = text if text is not None else getattr(tokenizer, "chat_template", None)
+    if not text:
+        raise DataError(f"{owner} has no chat template and none was given ({where}); pass a Jinja chat template "
+                        "(for a base model, e.g. recipes/configs/gemma-3-270m/turns.jinja), or use plain prompts "
+                        "where the stage offers it (eval --no-chat-template)")
+    check_template(text, where)
+    return text
+
+
+def check_template(text: str, where: str) -> None:
+    """A Jinja template that parses, as transformers compiles chat templates (a sandboxed
+    environment): one line naming the line of a syntax error, before any record is read."""
+    from jinja2.exceptions import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from trainer.errors import DataError
+
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as err:
+        raise DataError(f"{where}: the chat template is not valid Jinja (line {err.lineno}: {err.message}); fix it") \
+            from None
+
+
 def render(tokenizer, messages, add_generation_prompt=False, chat_template=None) -> str:
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template

@@ -73,7 +73,12 @@ def load_prompts(dataset: str, limit: int | None = None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
-def chat_prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Each text as one user turn in the target's chat template, ready for generation."""
+def chat_prompt_ids(tokenizer, texts: list[str], chat_template: str | None = None,
+                    plain: bool = False) -> list[list[int]]:
+    """Each text as one user turn in the chat template (None: the tokenizer's), ready for
+    generation; or with `plain` the text as it is, tokenized as a completion prompt (special
+    tokens such as BOS added as the tokenizer adds them)."""
+    if plain:
+        return [tokenizer(t)["input_ids"] for t in texts]
     return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                          tokenize=True)["input_ids"] for t in texts]
+                                          tokenize=True, chat_template=chat_template)["input_ids"] for t in texts]

@@ -59,11 +59,11 @@ def get(algorithm: str):
 
 def build(algorithm: str, draft_config, target):
     """The draft for `target` from its config (a dataclass or a saved dict), sharing the
-    target's embedding and LM head (used where the draft has none of its own, or copied from
+    target's embedding (as vLLM shares it: trainer.target.Target.token_embedding) and LM head (used where the draft has none of its own, or copied from
     when its head starts from the target's rows)."""
     algo = get(algorithm)
     cfg = draft_config if isinstance(draft_config, algo.Config) else algo.Config(**draft_config)
-    return algo.Draft(cfg, target.backbone.embed_tokens, target.model.lm_head)
+    return algo.Draft(cfg, target.token_embedding, target.model.lm_head)
 
 
 class TrainStep(nn.Module):

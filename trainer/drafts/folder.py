@@ -45,7 +45,7 @@ def save_draft(out: Path, algorithm: str, draft, state: dict, target, data_desc:
     atomic_save_safetensors(out / WEIGHTS, tensors)  # the umask's mode, like every output
     atomic_write_json(out / CONFIG, {
         "algorithm": algorithm, "draft": dataclasses.asdict(draft.config),
-        "target": {"name": target.name, "path": target.path, "sha256": target.content_hash,
+        "target": {"name": target.name, "spec": target.spec, "path": target.path, "sha256": target.content_hash,
                    "num_layers": target.num_layers, "hidden_size": target.hidden_size,
                    "vocab_size": target.vocab_size},
         "layer_id_convention": LAYER_ID_CONVENTION, "data": data_desc, "steps": steps,
