@@ -114,8 +114,8 @@ def vllm_parameter_names(name: str) -> str | None:
     """Our export's tensor name -> the draft parameter vLLM loads it into (its module
     path; the quantization prefix model.layers.{L_target + i} is another name):
     `model.` prefix, q/k/v fused into qkv_proj and gate/up into gate_up_proj, d2t ->
-    draft_id_to_target_id; None for t2d (vLLM skips it). Follows vLLM 0.32's
-    qwen3_dflash.py load_weights and its stacked mapper."""
+    draft_id_to_target_id; None for t2d (vLLM skips it); EAGLE-3's midlayer is layers.0.
+    Follows vLLM 0.32's qwen3_dflash.py / llama_eagle3.py load_weights and their stacked mappers."""
     import re
 
     if name == "t2d":
@@ -124,6 +124,7 @@ def vllm_parameter_names(name: str) -> str | None:
         return "draft_id_to_target_id"
     if name.startswith("lm_head."):
         return name
+    name = name.replace("midlayer.", "layers.0.", 1)  # EAGLE-3: llama_eagle3.py renames its one layer
     name = re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", name)
     name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
     return "model." + name

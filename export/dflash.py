@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from trainer.drafts.shape import flat_rope
 from trainer.errors import DraftsmithError
 from trainer.layer_ids import entering_to_output
 
@@ -58,7 +59,7 @@ def target_layer_ids(d: dict) -> list[int]:
 
 def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int, options: dict | None = None) -> dict:
     tcfg = target.model.config.get_text_config()
-    rope = dict(d["rope_parameters"] or {"rope_type": "default", "rope_theta": 10000.0})
+    rope = flat_rope(d["rope_parameters"])  # one flat dict, whatever the target's layer types
     cfg = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": d["hidden_size"], "intermediate_size": d["intermediate_size"],

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from trainer.drafts.shape import flat_rope
 from trainer.errors import DraftsmithError
 
 METHOD = "eagle3"  # vLLM's speculative-config method
@@ -56,7 +57,7 @@ def keep_bf16(d: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> 
 def llama_layer_config(d: dict, target, dtype: str) -> dict:
     """The one-layer Llama config of the draft layer, as vLLM builds it (LlamaDecoderLayer fields)."""
     tcfg = target.model.config.get_text_config()
-    rope = dict(d["rope_parameters"] or {"rope_type": "default", "rope_theta": 10000.0})
+    rope = flat_rope(d["rope_parameters"])  # one flat dict, whatever the target's layer types
     return {
         "model_type": "llama",
         "hidden_size": d["hidden_size"], "intermediate_size": d["intermediate_size"],

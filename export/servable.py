@@ -84,7 +84,7 @@ def servability(architectures: list[str], algorithm: str) -> Servability:
         where = f"vLLM {report['vllm']} (a table recorded from its model registry; no vLLM environment here)"
     if not archs:
         return Servability(False, f"the target's config names no architecture, so {where} cannot be asked whether it "
-                                  f"serves a {method} draft for it")
+                                  f"serves {method} drafts for it")
     rows = {a: report["architectures"].get(a, {"registered": False, "supports_eagle3": False}) for a in archs}
     ok = [a for a, row in rows.items() if row.get("supports_eagle3")]
     if method not in report["methods"]:
@@ -94,7 +94,7 @@ def servability(architectures: list[str], algorithm: str) -> Servability:
     arch = archs[0]
     why = "is not a model it registers" if not rows[arch].get("registered") else \
         "does not implement SupportsEagle3 (it exposes no aux hidden states to a draft)"
-    return Servability(False, f"{where} cannot serve a {method} draft for this target: {arch} {why}; a draft "
+    return Servability(False, f"{where} cannot serve {method} drafts for this target: {arch} {why}; a draft "
                               "trained for it cannot be served there")
 
 

@@ -83,13 +83,20 @@ def capture_layer_ids(cfg: CaptureConfig, num_layers: int) -> tuple[list[int], d
 
 
 def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
+    from trainer.io import guard_output
+    from trainer.target import resolve_target
+
     state = process_state()
-    out = Path(cfg.output_dir)
+    out = guard_output(cfg.output_dir, [cfg.data, resolve_target(cfg.target).path], "capture", cfg.overwrite)
     ds, prepared = load_prepared(cfg.data)
     target = load_target(cfg.target, cfg.target_dtype, state.device)
     if prepared["target_sha256"] != target.content_hash:
         raise DataError(f"'{cfg.data}' was prepared with target {prepared['target']} ({prepared['target_sha256'][:12]}), "
                         f"not {target.name} ({target.content_hash[:12]}); re-run prepare with this target")
+    largest = max(max(ids) for b in ds.iter(batch_size=1024) for ids in b["input_ids"])
+    if largest >= target.vocab_size:  # another tokenizer's ids under this summary
+        raise DataError(f"'{cfg.data}' holds token id {largest}, but {target.name}'s vocabulary has {target.vocab_size} "
+                        "ids: it was not tokenized for this target; run `draftsmith prepare` with it")
     layer_ids, draft_layer_ids = capture_layer_ids(cfg, target.num_layers)
     target.check_layer_ids(layer_ids)
     from export.servable import check_servable
@@ -178,7 +185,7 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
             "shards": entries,
         }
         write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
-                                            "seed": cfg.seed, "world_size": state.num_processes}, argv)
+                                            "seed": cfg.seed, "world_size": state.num_processes}, argv, stage="capture")
         atomic_write_json(out / MANIFEST, manifest)  # last: its presence marks the capture complete
     state.wait_for_everyone()
     manifest = json.loads((out / MANIFEST).read_text())

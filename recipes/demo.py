@@ -25,7 +25,14 @@ from trainer.errors import DraftsmithError
 
 
 def run(cfg: DemoConfig, argv: list[str] | None = None) -> dict:
-    out = Path(cfg.output_dir)
+    from recipes.prepare import source_entries
+    from trainer.data.sources import resolve_source
+    from trainer.io import guard_output
+    from trainer.target import resolve_target
+
+    out = guard_output(cfg.output_dir, [resolve_target(cfg.target).path,
+                                        *(resolve_source(name) for name, _ in source_entries(cfg.prepare.source))],
+                       "demo", cfg.overwrite)
     overwrite = cfg.overwrite
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise DraftsmithError(f"demo output_dir '{out}' holds an earlier run; pass overwrite=true to replace it "
@@ -111,6 +118,9 @@ def format_table(results: dict, trained: dict) -> str:
     rows.append("\nserve the target with a draft (ROCm or CUDA vLLM; pick N from 'best N'):")
     for name, r in results.items():
         rows.append(f"  {name.upper()}: {r['export']['serve']}")
+    served = results["bf16"]["export"].get("servable") or {}
+    if served and not served["servable"]:
+        rows.append(f"  warning: {served['line']}")
     return "\n".join(rows)
 
 

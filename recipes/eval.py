@@ -119,7 +119,7 @@ def run(cfg: EvalConfig, argv=None) -> dict:
     atomic_write_json(out / "report.json", report)
     plot(report, out / "acceptance.png")
     write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
-                                        "seed": cfg.seed}, argv)
+                                        "seed": cfg.seed}, argv, stage="eval")
     export_dir = Path(cfg.draft)
     if (export_dir / formats.EXPORT_MANIFEST).is_file() and out.resolve().is_relative_to(export_dir.resolve()):
         # a report inside the export it measured: recorded there, so upload can trust it
@@ -129,7 +129,18 @@ def run(cfg: EvalConfig, argv=None) -> dict:
 
 
 def check_output_dir(cfg: EvalConfig) -> Path:
-    """The report folder must be writable and, unless overwrite, hold no earlier report."""
+    """The report folder must be writable, never an input of the run (it may sit inside the
+    export it measures, which records the report), only ever an eval folder (eval replaces its
+    own report by default, nothing else), and, unless overwrite, hold no earlier report."""
+    from recipes._common import target_for
+    from trainer.io import guard_output
+    from trainer.target import resolve_target
+
+    draft = None if cfg.draft == "ngram" else cfg.draft
+    dataset = cfg.dataset.split(":", 1)[1] if cfg.dataset.startswith("jsonl:") else None
+    template = cfg.chat_template if cfg.chat_template and "{" not in cfg.chat_template else None
+    guard_output(cfg.output_dir, [draft, dataset, template, resolve_target(target_for(cfg.draft, cfg.target)).path],
+                 "eval", overwrite=True, allow_inside=[draft] if draft else [])
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise DraftsmithError(f"output_dir '{out}' is a file, not a folder; choose another --output-dir")

@@ -60,8 +60,13 @@ def run(cfg: ExportConfig, argv=None) -> dict:
 
     out = Path(cfg.output_dir)
     draft_dir = Path(cfg.draft)
+    from recipes._common import target_for
     from trainer.drafts import get
+    from trainer.io import guard_output
+    from trainer.target import resolve_target
 
+    guard_output(out, [draft_dir, resolve_target(target_for(str(draft_dir), cfg.target)).path], "export",
+                 cfg.overwrite)
     draft_cfg, state = formats.read_draft_dir(draft_dir)  # the module's tensors, as training wrote them
     if cfg.num_draft_tokens is None:  # serve what was trained
         cfg.num_draft_tokens = get(draft_cfg["algorithm"]).Config(**draft_cfg["draft"]).num_positions
@@ -69,8 +74,6 @@ def run(cfg: ExportConfig, argv=None) -> dict:
                                  draft_cfg["draft"], cfg.draft_options)
     staging = fresh_output_dir(out, cfg.overwrite)  # refuses an existing output_dir before any work
     try:
-        from recipes._common import target_for
-
         target = load_target(target_for(str(draft_dir), cfg.target))
         formats.check_against_target(draft_cfg, target, draft_dir)
         from export.servable import servability
@@ -85,7 +88,8 @@ def run(cfg: ExportConfig, argv=None) -> dict:
                                             cfg.num_draft_tokens, draft_dir, extra, cfg.draft_options)
         else:
             manifest = export_fp8(cfg, staging, draft_cfg, state, target, draft_dir, extra)
-        write_run_files(staging, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash}, argv)
+        write_run_files(staging, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash}, argv,
+                        stage="export")
         manifest = formats.write_manifest(staging, {k: v for k, v in manifest.items() if k != "files"})
         publish_dir(staging, out)
     except BaseException:

@@ -8,6 +8,7 @@ chat template and an assistant-only loss mask -> an Arrow dataset + summary.json
 from __future__ import annotations
 
 import hashlib
+import random
 import sys
 
 from tqdm.auto import tqdm
@@ -45,6 +46,29 @@ def _tokenize_batch(batch, tokenizer, max_length, chat_template):
     return out
 
 
+def source_entries(source) -> list[tuple[str, float]]:
+    """`source`: one source (a name or a path), or a mixture: a list of names/paths or of
+    {source, weight} with weight in (0, 1] (the fraction of that source's records taken, a
+    seeded subsample). One line for anything else."""
+    items = source if isinstance(source, list) else [source]
+    out = []
+    for item in items:
+        name, weight = (item, 1.0) if isinstance(item, str) else \
+            (item.get("source"), item.get("weight", 1.0)) if isinstance(item, dict) else (None, None)
+        if not isinstance(name, str) or not isinstance(weight, (int, float)) or not 0 < weight <= 1 or \
+                (isinstance(item, dict) and set(item) - {"source", "weight"}):
+            raise DataError(f"source entry {item!r} is not a source name/path or {{source: NAME, weight: W}} with "
+                            "0 < W <= 1")
+        out.append((name, float(weight)))
+    if not out:
+        raise DataError("source is an empty list; name at least one source")
+    return out
+
+
+def _source_of(index: int, spans) -> str:
+    return next((name for name, _, lo, hi in spans if lo <= index < hi), "?")
+
+
 def _strict_stop(index: int, source: str, reason: str, detail: str = "") -> DataError:
     return DataError(f"record {index} of '{source}' is bad ({reason}: {detail or SKIP_REASONS[reason]}); "
                      "fix or drop it, or set strict=false to skip bad records")
@@ -53,8 +77,14 @@ def _strict_stop(index: int, source: str, reason: str, detail: str = "") -> Data
 def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
     from datasets import Dataset
 
+    from trainer.data.sources import resolve_source
+    from trainer.io import guard_output
     from trainer.target import content_hash, gguf_to_hf_dir, load_target, resolve_target
 
+    guard_output(cfg.output_dir, [*(resolve_source(name) for name, _ in source_entries(cfg.source)),
+                                  resolve_target(cfg.target).path,
+                                  cfg.chat_template if cfg.chat_template and "{" not in cfg.chat_template else None],
+                 "prepare", cfg.overwrite)
     tmp = fresh_output_dir(cfg.output_dir, cfg.overwrite)
     try:
         # 1. The target's tokenizer and the chat template, checked before any record is read.
@@ -66,19 +96,43 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         template = resolve_template(tokenizer, cfg.chat_template, "prepare chat_template", f"target {source.name}")
         # 2. Read and validate records (and regenerate the answers with the target).
-        records, report = read_chats(cfg.source, cfg.max_records)
+        entries = source_entries(cfg.source)
         kept, skipped = [], []  # kept: {"index", "messages"}; skipped: (index, reason)
-        for index, record in tqdm(records, desc="read", unit="rec"):
-            try:
-                kept.append({"index": index, "messages": normalize(record)})
-            except BadRecord as err:
-                if cfg.strict:
-                    raise _strict_stop(index, cfg.source, err.reason, err.detail) from None
-                skipped.append((index, err.reason))
-        if cfg.strict and report.truncated:
-            raise DataError(f"'{cfg.source}' ({report.path}) ends mid-record at character {report.truncated_at_byte} "
-                            f"after {report.records_read} complete records; strict=true stops here (strict=false "
-                            "reads every complete record and says so)")
+        from collections import Counter
+
+        dropped = Counter()  # turns dropped from kept conversations, per kind
+        seen, spans, reports = set(), [], []  # first user turns so far; (source, first index, end); read reports
+        offset = 0
+        for name, weight in entries:
+            records, report = read_chats(name, cfg.max_records)
+            rng = random.Random(f"{cfg.seed}:{name}")  # the weighted subsample, the same every run
+            last = -1
+            for index, record in tqdm(records, desc=f"read {name}", unit="rec"):
+                last = index
+                if weight < 1 and rng.random() >= weight:
+                    continue
+                gi = offset + index  # unique across the mixture: the dataset's `index`
+                try:
+                    messages = normalize(record, dropped)
+                except BadRecord as err:
+                    if cfg.strict:
+                        raise _strict_stop(index, name, err.reason, err.detail) from None
+                    skipped.append((gi, err.reason))
+                    continue
+                if len(entries) > 1:  # a mixture keeps one conversation per first user turn
+                    first = next(m["content"].strip() for m in messages if m["role"] == "user")
+                    if first in seen:
+                        skipped.append((gi, "duplicate"))
+                        continue
+                    seen.add(first)
+                kept.append({"index": gi, "messages": messages})
+            if cfg.strict and report.truncated:
+                raise DataError(f"'{name}' ({report.path}) ends mid-record at character {report.truncated_at_byte} "
+                                f"after {report.records_read} complete records; strict=true stops here (strict=false "
+                                "reads every complete record and says so)")
+            spans.append((name, weight, offset, offset + last + 1))
+            reports.append(report)
+            offset += last + 1
 
         if cfg.regenerate.enabled:
             target = load_target(cfg.target)
@@ -104,22 +158,29 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
         late = [(i, *r.split("\t", 1)) for i, r in zip(ds["index"], ds["skip"]) if r]
         if cfg.strict and late:
             first = min(late)
-            raise _strict_stop(first[0], cfg.source, first[1], first[2])
+            raise _strict_stop(first[0], _source_of(first[0], spans), first[1], first[2])
         skipped += [(i, reason) for i, reason, _ in late]
         ds = ds.filter(lambda s: not s, input_columns="skip").remove_columns("skip")
         if len(ds) == 0:
-            raise DataError(f"no usable conversations in '{cfg.source}' "
+            raise DataError(f"no usable conversations in {cfg.source!r} "
                             f"(skipped: {count_reasons(r for _, r in skipped)}); check the source format")
 
         lengths = list(ds["length"])
         assistant = sum(sum(map(sum, b["loss_mask"])) for b in ds.iter(batch_size=1024))
+        kept_index = list(ds["index"])
+        per_source = [{"source": name, "weight": weight, "path": r.path, "records_read": r.records_read,
+                       "truncated": r.truncated, "kept": sum(lo <= i < hi for i in kept_index),
+                       "skipped": count_reasons(reason for i, reason in skipped if lo <= i < hi)}
+                      for (name, weight, lo, hi), r in zip(spans, reports)]
         summary = {
             "format": FORMAT,
-            "source": cfg.source, "source_path": report.path,
-            "records_read": report.records_read,
-            "source_truncated": report.truncated,
-            "source_notes": report.notes,
+            "source": cfg.source, "source_path": reports[0].path,
+            "records_read": sum(r.records_read for r in reports),
+            "source_truncated": any(r.truncated for r in reports),
+            "source_notes": [n for r in reports for n in r.notes],
+            "sources": per_source,  # per source of a mixture (one entry for a single source)
             "kept": len(ds), "skipped": count_reasons(r for _, r in skipped),
+            "dropped_turns": dict(sorted(dropped.items())),
             "tokens": sum(lengths), "assistant_tokens": assistant,
             "max_length": cfg.max_length, "longest": max(lengths),
             "regenerated": cfg.regenerate.enabled,
@@ -128,9 +189,12 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
             "chat_template": template,  # the text: eval and regeneration of this data's drafts use it
         }
         ds.save_to_disk(str(tmp / "data"))
+        from trainer.data.prepared import data_digest
+
+        summary["data_sha256"] = data_digest(tmp / "data")  # the summary is evidence of this data, checked on load
         atomic_write_json(tmp / "summary.json", summary)
         write_run_files(tmp, to_yaml(cfg), {"target": source.name, "target_sha256": digest, "seed": cfg.seed},
-                        argv)
+                        argv, stage="prepare")
         publish_dir(tmp, cfg.output_dir)
     except BaseException:
         import shutil
@@ -142,10 +206,14 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
 
 def format_summary(s: dict) -> str:
     skipped = ", ".join(f"{k} {v}" for k, v in s["skipped"].items()) or "none"
+    dropped = ", ".join(f"{k} {v}" for k, v in s.get("dropped_turns", {}).items()) or "none"
     lines = [
-        f"prepared {s['kept']} conversations from {s['records_read']} records of '{s['source']}'"
+        f"prepared {s['kept']} conversations from {s['records_read']} records of "
+        + ", ".join(f"'{x['source']}'" + (f" (weight {x['weight']:g}: {x['kept']} kept)" if len(s["sources"]) > 1 else "")
+                    for x in s["sources"])
         + (" (source file is truncated: every complete record before the break was read)" if s["source_truncated"] else ""),
         f"  skipped: {skipped}",
+        f"  turns dropped from kept conversations: {dropped}",
         f"  tokens: {s['tokens']:,} ({s['assistant_tokens']:,} assistant, loss-masked), longest {s['longest']}",
     ]
     return "\n".join(lines)

@@ -170,9 +170,11 @@ def load_data(cfg: TrainConfig, target):
 def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     import shutil
 
-    from trainer.io import ensure_dir
+    from trainer.io import ensure_dir, guard_output
+    from trainer.target import resolve_target
 
-    out = Path(cfg.output_dir)
+    out = guard_output(cfg.output_dir, [cfg.data, resolve_target(cfg.target).path], "train",
+                       cfg.overwrite and cfg.resume is None)
     if out.exists() and cfg.resume is None and any(out.iterdir()):
         if not cfg.overwrite:
             raise DraftsmithError(f"output_dir '{out}' exists; pass resume=latest to continue or overwrite=true")
@@ -307,7 +309,8 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
         write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
                                             "seed": cfg.seed, "world_size": accelerator.num_processes,
                                             "algorithm": cfg.algorithm,
-                                            **{k: v for k, v in data_desc.items() if k != "chat_template"}}, argv)
+                                            **{k: v for k, v in data_desc.items() if k != "chat_template"}}, argv,
+                        stage="train")
     accelerator.end_training()
     return report
 

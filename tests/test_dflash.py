@@ -137,10 +137,9 @@ def test_mask_token_is_never_a_used_or_special_token():
 def trained(tmp_path_factory, tiny_target_dir, tiny_target):
     """A tiny DFlash draft trained on the tiny target's own greedy continuations (spliced in as
     ids, see test_export.py), with layers 1..3 captured."""
-    from datasets import Dataset
 
     from recipes import capture, prepare
-    from tests.conftest import GOOD_CHATS, write_jsonl
+    from tests.conftest import GOOD_CHATS, splice_prepared, write_jsonl
     from trainer.config import CaptureConfig, PrepareConfig
 
     d = tmp_path_factory.mktemp("dflash")
@@ -149,12 +148,7 @@ def trained(tmp_path_factory, tiny_target_dir, tiny_target):
     answers, _ = generate(tiny_target, PROMPTS, 48, None)
     rows = {"input_ids": [p + a for p, a in zip(PROMPTS, answers)],
             "loss_mask": [[0] * (len(p) - 1) + [1] * (len(a) + 1) for p, a in zip(PROMPTS, answers)]}
-    rows["length"] = [len(x) for x in rows["input_ids"]]
-    rows["index"] = list(range(len(PROMPTS)))
-    import shutil
-
-    shutil.rmtree(d / "prepared" / "data")
-    Dataset.from_dict(rows).save_to_disk(str(d / "prepared" / "data"))
+    splice_prepared(d / "prepared", rows)
     capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), target=str(tiny_target_dir),
                               drafts=["eagle3", "dflash"], aux_layer_ids=IDS, store_dtype="float32",
                               draft_vocab_size=320))
@@ -298,3 +292,31 @@ def test_chunked_loss_rows_equal_one_pass():
     assert torch.equal(m0.correct, m1.correct) and g0.keys() == g1.keys() and "fc.weight" in g0
     for name in g0:
         torch.testing.assert_close(g0[name], g1[name], msg=name)
+
+
+@pytest.mark.slow
+def test_fp8_export_is_measured_in_tree_as_vllm_computes_it(trained, tmp_path, tiny_target_dir, tiny_target):
+    """A DFlash FP8 export (Quark ptpc_fp8) reloads in-tree with every quantized Linear
+    simulated as vLLM computes it (FP8 weights, per-token FP8 inputs): fc stays BF16, decoding
+    with it is lossless, and the gate's τ is the in-tree decoder's on it."""
+    from export import formats
+    from export.fp8_reload import FP8DynamicLinear
+    from recipes import export as export_recipe
+    from recipes._common import load_proposer
+    from trainer.speculative import measure
+
+    out, _ = trained
+    export_recipe.main(["--draft", str(out), "--target", str(tiny_target_dir), "--output-dir", str(tmp_path / "e"),
+                        "--quantize", "fp8", "--no-gate"])
+    _, draft = formats.load_export(tmp_path / "e", tiny_target)
+    wrapped = sorted(n for n, m in draft.named_modules() if isinstance(m, FP8DynamicLinear))
+    assert wrapped == sorted(f"layers.{i}.{p}" for i in range(2) for p in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj"))
+    assert not isinstance(draft.fc, FP8DynamicLinear)
+    ar, _ = generate(tiny_target, PROMPTS, 16)
+    proposer, name = load_proposer(str(tmp_path / "e"), tiny_target)
+    out_fp8, stats = generate(tiny_target, PROMPTS, 16, proposer, num_draft_tokens=3)
+    assert out_fp8 == ar and "FP8 ptpc_fp8" in name
+    again = measure(tiny_target, proposer, PROMPTS, 16, 3)
+    assert again.counts() == stats.counts() and stats.tau > 1.0  # a trained draft that FP8 keeps accepting

@@ -251,12 +251,10 @@ def test_config_refuses_other_markov_heads_and_no_markov_rank():
 def trained(tmp_path_factory, tiny_target_dir, tiny_target):
     """A tiny DSpark draft trained on the tiny target's own greedy continuations (spliced in
     as ids, as in test_dflash.py)."""
-    import shutil
 
-    from datasets import Dataset
 
     from recipes import capture, prepare
-    from tests.conftest import GOOD_CHATS, write_jsonl
+    from tests.conftest import GOOD_CHATS, splice_prepared, write_jsonl
     from trainer.config import CaptureConfig, PrepareConfig
 
     d = tmp_path_factory.mktemp("dspark")
@@ -265,10 +263,7 @@ def trained(tmp_path_factory, tiny_target_dir, tiny_target):
     answers, _ = generate(tiny_target, PROMPTS, 48, None)
     rows = {"input_ids": [p + a for p, a in zip(PROMPTS, answers)],
             "loss_mask": [[0] * (len(p) - 1) + [1] * (len(a) + 1) for p, a in zip(PROMPTS, answers)]}
-    rows["length"] = [len(x) for x in rows["input_ids"]]
-    rows["index"] = list(range(len(PROMPTS)))
-    shutil.rmtree(d / "prepared" / "data")
-    Dataset.from_dict(rows).save_to_disk(str(d / "prepared" / "data"))
+    splice_prepared(d / "prepared", rows)
     capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), target=str(tiny_target_dir),
                               drafts=["dspark"], aux_layer_ids=IDS, store_dtype="float32", draft_vocab_size=320))
     r = train.run(load_config(TrainConfig, TINY, [f"data={d / 'capture'}", f"target={tiny_target_dir}",

@@ -68,7 +68,7 @@ def test_demo_prints_and_writes_a_capture(demo_run):
     assert m["bytes_per_token"]["on_disk"] == pytest.approx(8073, rel=0.01)
     s = json.loads((demo_run / "prepared" / "summary.json").read_text())
     assert s["records_read"] == 100 and s["kept"] >= 16
-    assert s["skipped"].get("leading_assistant", 0) > 0  # the packaged ShareGPT has them
+    assert s["dropped_turns"]["leading_assistant_dropped"] > 0 and "leading_assistant" not in s["skipped"]  # kept
 
 
 def test_captured_states_match_the_target(demo_run, smollm2):

@@ -29,10 +29,9 @@ def tiny_draft(tmp_path_factory, tiny_target_dir, tiny_target, gate_prompts):
     so that it accepts well when that target decodes those prompts (what the FP8 gate
     measures). The tokens are spliced in as ids: the random tiny target's text would not
     survive a decode/re-tokenize round trip, as `regenerate` does it."""
-    from datasets import Dataset
 
     from recipes import capture, prepare
-    from tests.conftest import GOOD_CHATS, write_jsonl
+    from tests.conftest import GOOD_CHATS, splice_prepared, write_jsonl
     from trainer.config import CaptureConfig, PrepareConfig
     from trainer.data.evalsets import load_prompts
     from trainer.speculative import generate
@@ -47,10 +46,7 @@ def tiny_draft(tmp_path_factory, tiny_target_dir, tiny_target, gate_prompts):
     answers, _ = generate(tiny_target, prompts, 64, None)
     rows = {"input_ids": [p + a for p, a in zip(prompts, answers)],
             "loss_mask": [[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers)]}
-    rows["length"] = [len(x) for x in rows["input_ids"]]
-    rows["index"] = list(range(len(prompts)))
-    shutil.rmtree(d / "prepared" / "data")
-    Dataset.from_dict(rows).save_to_disk(str(d / "prepared" / "data"))
+    splice_prepared(d / "prepared", rows)
     capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), target=str(tiny_target_dir),
                               samples_per_shard=8, draft_vocab_size=320, store_dtype="float32"))  # Vd = V
     out = d / "eagle3"

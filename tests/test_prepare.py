@@ -14,7 +14,7 @@ BAD = [
     {"messages": []},  # 1 empty
     {"messages": [{"role": "wizard", "content": "x"}]},  # 2 unknown_role
     {"messages": [{"role": "user", "content": 5}]},  # 3 non_string_content
-    {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"}]},  # 4 leading_assistant
+    {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"}]},  # 4 no_assistant (both dropped)
     {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},  # 5 non_alternating
     {"messages": [{"role": "user", "content": "long " * 400}, {"role": "assistant", "content": "x"}]},  # 6 too_long
     "{not json",  # 7 invalid_json
@@ -30,7 +30,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path, tiny_target_dir):
     src = write_jsonl(tmp_path / "mixed.jsonl", [GOOD_CHATS[0], *BAD, GOOD_CHATS[1]])
     summary = prepare.run(_cfg(tmp_path, tiny_target_dir, src))
     assert summary["kept"] == 2 and summary["records_read"] == 9
-    assert summary["skipped"] == {"empty": 1, "invalid_json": 1, "leading_assistant": 1, "non_alternating": 1,
+    assert summary["skipped"] == {"empty": 1, "invalid_json": 1, "no_assistant": 1, "non_alternating": 1,
                                   "non_string_content": 1, "too_long": 1, "unknown_role": 1}
     ds = load_from_disk(str(tmp_path / "prepared" / "data"))
     assert list(ds["index"]) == [0, 8]
@@ -96,3 +96,25 @@ def test_prepare_with_regeneration(tmp_path, tiny_target_dir, good_chats_jsonl):
     s = prepare.run(_cfg(tmp_path, tiny_target_dir, good_chats_jsonl,
                          regenerate=RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=4)))
     assert s["regenerated"] and s["kept"] > 0
+
+
+def test_a_mixture_is_deduplicated_and_counted_per_source(tmp_path, tiny_target_dir):
+    """source: a list of sources with weights: one conversation per first user turn (the first
+    source's copy wins), a seeded subsample of a source with weight < 1, counts per source."""
+    a = write_jsonl(tmp_path / "a.jsonl", GOOD_CHATS)  # 4 conversations
+    b = write_jsonl(tmp_path / "b.jsonl", [GOOD_CHATS[0], GOOD_CHATS[1]] + [  # 2 repeats of a, then 20 new ones
+        {"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]}
+        for i in range(20)])
+    cfg = _cfg(tmp_path, tiny_target_dir, "x")
+    cfg.source = [str(a), {"source": str(b), "weight": 0.5}]
+    s = prepare.run(cfg)
+    by = {x["source"]: x for x in s["sources"]}
+    assert by[str(a)]["kept"] == 4 and by[str(a)]["records_read"] == 4
+    taken = by[str(b)]["kept"] + by[str(b)]["skipped"].get("duplicate", 0)
+    assert 0 < taken < 22 and by[str(b)]["records_read"] == 22  # about half of b, seeded
+    assert s["kept"] == 4 + by[str(b)]["kept"] and s["skipped"].get("duplicate", 0) == by[str(b)]["skipped"].get(
+        "duplicate", 0)
+    ds = load_from_disk(str(tmp_path / "prepared" / "data"))
+    assert len(set(ds["index"])) == len(ds)  # unique across the mixture
+    cfg.overwrite = True
+    assert prepare.run(cfg)["sources"] == s["sources"]  # the same subsample every run

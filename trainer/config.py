@@ -82,6 +82,11 @@ def _parse_overrides(overrides: list[str], schema: type) -> dict:
         kind = _field_type(schema, key)
         if kind in ("str", "str | None"):
             value = None if kind == "str | None" and raw in ("null", "~", "None") else raw
+        elif kind == "Any":  # a string or a structure (prepare's source: a path or a mixture list)
+            try:
+                value = yaml.safe_load(raw) if raw else ""
+            except yaml.YAMLError:
+                value = raw
         else:
             try:
                 value = yaml.safe_load(raw) if raw else ""
@@ -106,6 +111,20 @@ def _merge(base: DictConfig, data: dict, where: str) -> DictConfig:
         key = getattr(err, "full_key", None) or "?"
         msg = str(getattr(err, "msg", err)).splitlines()[0]
         raise ConfigError(f"{where}: key '{key}': {msg}") from None
+
+
+def check_finite(obj: Any, prefix: str = "") -> None:
+    """Every float field of a config (nested ones too) is a finite number: NaN passes every
+    comparison a bound makes (`x < 0` is False), and inf is never a setting. One line naming the key."""
+    import math
+
+    if not dataclasses.is_dataclass(obj):
+        return
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{f.name}={value} is not a finite number; give a real value")
+        check_finite(value, f"{prefix}{f.name}.")
 
 
 def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
@@ -138,6 +157,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"{getattr(err, 'full_key', '?')}: {getattr(err, 'msg', err)}") from None
+    check_finite(obj)
     validate = getattr(obj, "validate", None)
     if callable(validate):
         validate()
@@ -157,6 +177,7 @@ def load_section(schema: type[T], data: Any, where: str) -> T:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"{where}.{getattr(err, 'full_key', '?')}: {getattr(err, 'msg', err)}") from None
+    check_finite(obj, f"{where}.")
     validate = getattr(obj, "validate", None)
     if callable(validate):
         validate()
@@ -197,7 +218,10 @@ class RegenerateConfig:
 class PrepareConfig:
     output_dir: str = MISSING
     target: str = DEFAULT_TARGET  # embedded alias, HF dir or .gguf: its tokenizer and chat template are used
-    source: str = "sharegpt"  # sharegpt | mtbench-chats | PATH.json | PATH.jsonl (ShareGPT or "messages" records)
+    # sharegpt | mtbench-chats | PATH.json | PATH.jsonl (ShareGPT or "messages" records), or a mixture:
+    # a list of those or of {source: ..., weight: W} (0 < W <= 1: the fraction of its records taken),
+    # deduplicated by the first user turn, counted per source in the summary
+    source: Any = "sharegpt"
     max_records: int | None = None  # read at most this many records from the source
     max_length: int = 2048  # tokens; longer conversations are skipped (reason too_long)
     strict: bool = False  # stop at the first bad record instead of skipping it

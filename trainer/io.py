@@ -77,6 +77,61 @@ def ensure_dir(path: str | Path, what: str = "output_dir") -> Path:
     return path
 
 
+# What each stage's output folder holds, besides provenance.json's "stage" (folders written
+# before it was recorded are known by these files).
+STAGE_MARKERS = {"prepare": ("summary.json",), "capture": ("capture_state.json", "manifest.json"),
+                 "export": ("draftsmith_export.json",), "train": ("train_report.json", "checkpoints"),
+                 "eval": ("report.json",), "demo": ("prepared", "capture")}
+
+
+def stage_of(folder: Path) -> str | None:
+    """The draftsmith stage that wrote `folder` (its provenance.json says; older folders are
+    known by their files), or None: not a draftsmith output."""
+    folder = Path(folder)
+    try:
+        stage = json.loads((folder / "provenance.json").read_text()).get("stage")
+    except (OSError, ValueError, AttributeError):
+        stage = None
+    if stage:
+        return stage
+    for name, files in STAGE_MARKERS.items():
+        if any((folder / f).exists() for f in files) and (name == "demo" or (folder / "provenance.json").is_file()):
+            return name
+    return None
+
+
+def guard_output(out: str | Path, inputs, stage: str, overwrite: bool, allow_inside=()) -> Path:
+    """The one rule every stage's output folder obeys, before any work: it is never, contains,
+    or sits inside an input of the run (symlinks resolved), so no stage can delete or rewrite
+    what it reads; and an existing, non-empty one is replaced (`overwrite`) only when draftsmith
+    wrote it for the same stage. `allow_inside`: inputs the output may sit inside (eval's report
+    folder within the export it measures, which records it). One line naming both paths."""
+    out = Path(out)
+    target = out.resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        p = Path(given).expanduser()
+        if not p.exists():
+            continue
+        src = p.resolve()
+        inside_allowed = any(Path(a).resolve() == src for a in allow_inside) and target != src \
+            and target.is_relative_to(src)
+        if target == src or src.is_relative_to(target) or (target.is_relative_to(src) and not inside_allowed):
+            how = "is" if target == src else "contains" if src.is_relative_to(target) else "sits inside"
+            raise DraftsmithError(f"{stage}: output_dir '{out}' {how} an input of this run ('{given}'); writing there "
+                                  "could destroy it: choose another output_dir")
+    if out.is_dir() and any(out.iterdir()):
+        wrote = stage_of(out)
+        if overwrite and wrote != stage:
+            raise DraftsmithError(f"{stage}: output_dir '{out}' exists and was not written by draftsmith {stage}"
+                                  + (f" (it holds a {wrote} output)" if wrote else "")
+                                  + "; overwrite only replaces a folder of its own stage: choose another output_dir")
+    elif out.exists() and not out.is_dir():
+        raise DraftsmithError(f"{stage}: output_dir '{out}' is a file, not a folder; choose another output_dir")
+    return out
+
+
 def fresh_output_dir(path: str | Path, overwrite: bool, what: str = "output_dir") -> Path:
     """A temp sibling of `path` to build into; `publish_dir` renames it into place.
 
@@ -86,7 +141,11 @@ def fresh_output_dir(path: str | Path, overwrite: bool, what: str = "output_dir"
     if path.exists() and not overwrite:
         raise DraftsmithError(f"{what} '{path}' already exists; pass overwrite=true (or --overwrite) to replace it")
     ensure_dir(path.parent, what)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    except OSError as err:
+        raise DraftsmithError(f"{what} '{path}' cannot be written: {err.strerror} in '{path.parent}'; choose a folder "
+                              "you can write to") from None
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the published folder gets the usual mode
     return tmp
 
@@ -125,10 +184,13 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def write_run_files(out_dir: Path, cfg_yaml: str, extra: dict[str, Any], argv: list[str] | None = None) -> None:
-    """config.yaml, command.txt and provenance.json: enough to reproduce the folder."""
+def write_run_files(out_dir: Path, cfg_yaml: str, extra: dict[str, Any], argv: list[str] | None = None,
+                    stage: str | None = None) -> None:
+    """config.yaml, command.txt and provenance.json: enough to reproduce the folder (and, in
+    provenance.json, which stage wrote it: `guard_output` lets overwrite replace only that)."""
     out_dir = Path(out_dir)
     atomic_write_text(out_dir / "config.yaml", cfg_yaml)
     command = " ".join([Path(sys.argv[0]).name if argv is None else "", *(sys.argv[1:] if argv is None else argv)])
     atomic_write_text(out_dir / "command.txt", command.strip() + "\n")
-    atomic_write_json(out_dir / "provenance.json", {"git_commit": git_commit(), "versions": package_versions(), **extra})
+    atomic_write_json(out_dir / "provenance.json", {"stage": stage, "git_commit": git_commit(),
+                                                    "versions": package_versions(), **extra})

@@ -193,6 +193,9 @@ class TargetSession:
             ids[r, width - len(p):] = torch.tensor(p, device=dev)
             self.mask[r, width - len(p):] = 1
         self.cache = DynamicCache(config=self.target.model.config)
+        # sliding-window layers (Gemma-3) keep only the window; recording the past lets every
+        # rollback crop them exactly (transformers' DynamicSlidingWindowLayer.crop)
+        self.cache.activate_past_recording()
         return self._run(ids, self.mask)
 
     def _run(self, ids, mask):
@@ -210,8 +213,8 @@ class TargetSession:
         n1 = keep.shape[1]
         self.mask[:, -n1:] = keep.long()
         trailing = trailing_holes(keep)
+        self.cache.crop(-trailing)  # transformers 5: crop(-n) removes n tokens (crop(0) trims sliding layers)
         if trailing:
-            self.cache.crop(-trailing)  # transformers 5: crop(-n) removes n tokens
             self.mask = self.mask[:, :-trailing]
 
 
@@ -289,6 +292,16 @@ def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft
     N = num_draft_tokens if draft is not None else 0
     if draft is not None:
         check_num_draft_tokens(N, draft.max_draft_tokens, "this draft")
+    if len(prompts) > 1 and getattr(target, "has_sliding_layers", False):
+        # a hole left by a rejection would shift a sliding window by a slot: such targets decode
+        # one row at a time, where every rollback is an exact crop
+        outputs, stats = [], DecodeStats(num_draft_tokens=N)
+        for r, prompt in enumerate(prompts):
+            out, s = generate(target, [prompt], max_new_tokens, draft, num_draft_tokens, sampling, eos_token_ids,
+                              seed + r)
+            outputs += out
+            stats.merge(s)
+        return outputs, stats
     gen = torch.Generator(device=target.device).manual_seed(seed)
     stats = DecodeStats(num_draft_tokens=N)
     eos = set(eos_token_ids)

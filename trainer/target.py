@@ -222,6 +222,13 @@ class Target:
         self.vocab_size: int = cfg.vocab_size
 
     @property
+    def has_sliding_layers(self) -> bool:
+        """Some layers attend a sliding window (Gemma-3: 5 of 6)."""
+        cfg = self.model.config.get_text_config()
+        return bool(getattr(cfg, "sliding_window", None)) and "sliding_attention" in (getattr(cfg, "layer_types", None)
+                                                                                       or [])
+
+    @property
     def token_embedding(self) -> torch.nn.Module:
         """The target's token embedding as vLLM shares it with a draft: a plain lookup in its
         embedding matrix. vLLM's draft embeds with the target's `embed_tokens` module, and a

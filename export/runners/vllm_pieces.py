@@ -1,6 +1,8 @@
-"""Build vLLM's own block draft (DFlash `DFlashQwen3ForCausalLM` or DSpark `Qwen3DSparkForCausalLM`,
-vllm/model_executor/models/qwen3_dflash.py, qwen3_dspark.py) from an export on the CPU, load the
-export's weights with vLLM's loader, and run the draft's forward piece by piece on given inputs.
+"""Build vLLM's own draft (DFlash `DFlashQwen3ForCausalLM`, DSpark `Qwen3DSparkForCausalLM`,
+vllm/model_executor/models/qwen3_dflash.py, qwen3_dspark.py; or EAGLE-3 `Eagle3LlamaForCausalLM`,
+llama_eagle3.py) from an export on the CPU, load the export's weights with vLLM's loader, and
+run a block draft's forward piece by piece on given inputs (an EAGLE-3 draft: built, loaded and
+its fc run: what a target vLLM cannot serve still proves the export builds).
 Runs with the Python of a vLLM environment (it imports only vllm, torch, safetensors and the
 standard library, never draftsmith):
 
@@ -60,6 +62,7 @@ def main() -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -69,11 +72,17 @@ def main() -> None:
     with open(os.path.join(args.draft, "config.json")) as f:
         draft_config = json.load(f)
     dspark = "Qwen3DSparkModel" in draft_config.get("architectures", [])
+    eagle3 = "LlamaForCausalLMEagle3" in draft_config.get("architectures", []) or \
+        draft_config.get("speculators_model_type") == "eagle3"
     if dspark:
         VllmConfig._validate_v1_model_runner = lambda self: None  # the one check: see the docstring
     spec = {"model": args.draft}  # no method: vLLM detects it from the architecture
+    if eagle3:
+        spec["method"] = "eagle3"
     if args.num_speculative_tokens:
         spec["num_speculative_tokens"] = args.num_speculative_tokens
+    elif eagle3:
+        spec["num_speculative_tokens"] = 3
     elif not dspark:  # DFlash: vLLM needs N (DSpark takes its block); the block's B-1 slots
         spec["num_speculative_tokens"] = draft_config["block_size"] - 1
     cfg = EngineArgs(model=args.target, tokenizer=args.target, dtype=args.dtype, enforce_eager=True,
@@ -83,7 +92,7 @@ def main() -> None:
     derived = {"method": sc.method, "architectures": list(sc.draft_model_config.architectures),
                "num_speculative_tokens": sc.num_speculative_tokens,
                "aux_layer_ids": list(get_eagle3_aux_layers_from_config(sc) or []),
-               "mask_token_id": get_parallel_drafting_token_id(hf),
+               "mask_token_id": None if eagle3 else get_parallel_drafting_token_id(hf),
                "sample_from_anchor": getattr(hf, "sample_from_anchor", None),
                "dspark_draft_topk": getattr(hf, "dspark_draft_topk", None),
                "quantization": sc.draft_model_config.quantization}
@@ -98,7 +107,7 @@ def main() -> None:
         initialize_model_parallel(1, 1)
         with set_default_torch_dtype(cfg.model_config.dtype):  # as vLLM's model loader builds it
             model = initialize_model(vllm_config=cfg, model_config=sc.draft_model_config)  # via the registry
-        want = Qwen3DSparkForCausalLM if dspark else DFlashQwen3ForCausalLM
+        want = Qwen3DSparkForCausalLM if dspark else Eagle3LlamaForCausalLM if eagle3 else DFlashQwen3ForCausalLM
         if type(model) is not want:
             raise SystemExit(f"vLLM built {type(model).__name__} from the export, not {want.__name__}")
         sentinel = {}
@@ -135,6 +144,13 @@ def main() -> None:
         if "model.mask_embedding" in unfilled:  # unused: no separate mask embedding ships
             model.model.mask_embedding.data.zero_()
         process_weights_after_loading(model, sc.draft_model_config, torch.device("cpu"))  # as vLLM's loader does
+        if eagle3:  # built and loaded: its fc on the given states, and the report
+            inputs = load_file(args.inputs)
+            with torch.no_grad():
+                out = {"fc": model.combine_hidden_states(inputs["aux"].to(cfg.model_config.dtype))}
+            save_file({k: v.float().contiguous() for k, v in out.items()}, args.out + ".safetensors")
+            _report(args.out, derived, params, unfilled, weights, confidence=False)
+            return
 
         captured = {}
 
@@ -188,14 +204,17 @@ def main() -> None:
                 out["draft_to_target"] = torch.arange(Vd) + (mapping if mapping is not None else 0)
     save_file({k: v.float().contiguous() if v.is_floating_point() else v.contiguous() for k, v in out.items()},
               args.out + ".safetensors")
+    _report(args.out, derived, params, unfilled, weights, bool(dspark and model.model.confidence_head is not None))
+
+
+def _report(out: str, derived: dict, params: list, unfilled: list, weights: dict, confidence: bool) -> None:
     report = {"derived": derived, "parameters": params, "unfilled": unfilled,
               "shared_from_target": [n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in unfilled],
-              "confidence_head": bool(dspark and model.model.confidence_head is not None),
-              "export_tensors": sorted(weights)}
-    tmp = args.out + ".tmp"
+              "confidence_head": confidence, "export_tensors": sorted(weights)}
+    tmp = out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(report, f)
-    os.replace(tmp, args.out)
+    os.replace(tmp, out)
     print(json.dumps({"unfilled": unfilled, "derived": derived}), file=sys.stderr)
 
 

@@ -27,13 +27,13 @@ SKIP_REASONS = {
     "invalid_json": "the line is not JSON",
     "unknown_role": "a turn's role is not user/assistant/system (or a ShareGPT alias)",
     "non_string_content": "a turn's content is not a string",
-    "leading_assistant": "the first non-system turn is the assistant's",
     "non_alternating": "user and assistant turns do not alternate (or a system turn is not first)",
     "no_assistant": "no assistant turn with content to learn from",
     "too_long": "longer than max_length tokens",
     "template_not_prefix": "the chat template does not render this conversation prefix-stably",
     "control_token": "a turn's text contains a special token of the tokenizer (it would forge a turn)",
     "control_characters": "a turn's text contains control characters (NUL, escape, bidi overrides, ...)",
+    "duplicate": "its first user turn repeats an earlier conversation's (a mixture keeps one of each)",
 }
 
 # C0 controls but tab, newline and carriage return; DEL; C1 controls; Unicode bidi embeddings,
@@ -48,10 +48,20 @@ class BadRecord(Exception):
         super().__init__(f"{reason}: {detail or SKIP_REASONS[reason]}")
 
 
-def normalize(record: object) -> list[dict[str, str]]:
+# Turns dropped from a record that is kept (counted per kind in the prepare summary). ShareGPT
+# conversations often start with the assistant (a third of the packaged ones): FastChat's and
+# EAGLE's preprocessing drop that turn and keep the conversation, and so does draftsmith.
+DROPPED_TURNS = {
+    "leading_assistant_dropped": "an assistant turn before the first user turn (no question to answer)",
+    "trailing_user_dropped": "a user turn after the last answer (a question nobody answered)",
+}
+
+
+def normalize(record: object, dropped: Counter | None = None) -> list[dict[str, str]]:
     """A ShareGPT (`conversations`: from/value) or "messages" (role/content) record ->
     [{"role", "content"}] alternating user/assistant after an optional system turn,
-    ending on an assistant turn. Raises BadRecord."""
+    ending on an assistant turn; assistant turns before the first user turn and user turns
+    after the last answer are dropped (counted in `dropped`, DROPPED_TURNS). Raises BadRecord."""
     if isinstance(record, dict) and "__invalid_json__" in record:
         raise BadRecord("invalid_json", record["__invalid_json__"])
     turns = None
@@ -78,18 +88,27 @@ def normalize(record: object) -> list[dict[str, str]]:
         if bad:
             raise BadRecord("control_characters", f"turn {k} has U+{ord(bad.group()):04X} at character {bad.start()}")
         messages.append({"role": ROLE_ALIASES[role.lower()], "content": content})
-    body = messages[1:] if messages[0]["role"] == "system" else messages
+    head = messages[:1] if messages[0]["role"] == "system" else []
+    body = messages[len(head):]
     if not body:
         raise BadRecord("empty", "only a system turn")
-    if body[0]["role"] == "assistant":
-        raise BadRecord("leading_assistant")
+    counts = Counter()
+    while body and body[0]["role"] == "assistant":  # an answer to no question: the turn goes, the chat stays
+        body = body[1:]
+        counts["leading_assistant_dropped"] += 1
+    skipped = len(messages) - len(head) - len(body)
     for k, m in enumerate(body):
         if m["role"] != ("user" if k % 2 == 0 else "assistant"):
-            raise BadRecord("non_alternating", f"turn {k + len(messages) - len(body)} is {m['role']}")
+            raise BadRecord("non_alternating", f"turn {k + len(head) + skipped} is {m['role']}")
+    messages = head + body
     while messages and messages[-1]["role"] != "assistant":  # a trailing question teaches nothing
+        if messages[-1]["role"] == "user":
+            counts["trailing_user_dropped"] += 1
         messages.pop()
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise BadRecord("no_assistant")
+    if dropped is not None:
+        dropped.update(counts)
     return messages
 
 

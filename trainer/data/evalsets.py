@@ -26,11 +26,27 @@ EVALSETS = {
 
 
 def _jsonl(path: Path):
+    """Records of a JSONL file; a line that is not UTF-8 or not JSON is one line naming it."""
+    from trainer.data.sources import not_utf8
+
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
+    offset = 0
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise not_utf8(path, err, offset, lineno) from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
                 yield json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path} line {lineno} is not JSON ({err.msg} at column {err.colno}); fix or drop "
+                                "that line") from None
+            except RecursionError:
+                raise DataError(f"{path} line {lineno} nests too deeply to read; flatten or drop that record") from None
 
 
 def _first_user_turn(record) -> str | None:

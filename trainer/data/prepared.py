@@ -1,7 +1,8 @@
 """The prepared-data folder written by `recipes/prepare.py` and read by capture/training.
 
 <dir>/data/          a `datasets` Arrow dataset: input_ids, loss_mask, length, index (source record)
-<dir>/summary.json   counts (records, kept, skipped per reason, tokens), target, template hash
+<dir>/summary.json   counts (records, kept, skipped per reason, tokens), target, the chat template,
+                     and data_sha256: the digest of the data files it describes (checked on load)
 """
 
 from __future__ import annotations
@@ -15,7 +16,20 @@ FORMAT = "draftsmith-prepared-v1"
 
 
 SUMMARY_KEYS = ("format", "source", "kept", "target", "target_sha256", "records_read", "regenerated",
-                "chat_template_sha256")
+                "chat_template_sha256", "data_sha256")
+
+
+def data_digest(data_dir: Path) -> str:
+    """sha256 over the dataset's Arrow files (names and contents): what summary.json describes."""
+    import hashlib
+
+    from trainer.io import sha256_file
+
+    h = hashlib.sha256()
+    for f in sorted(Path(data_dir).glob("*.arrow")):
+        h.update(f.name.encode())
+        h.update(sha256_file(f).encode())
+    return h.hexdigest()
 
 
 def load_prepared(path: str | Path):
@@ -42,6 +56,9 @@ def load_prepared(path: str | Path):
     if not (data / "dataset_info.json").is_file():
         raise DataError(f"'{path}' has no prepared data ({data} is missing or incomplete); run `draftsmith prepare` "
                         "again")
+    if data_digest(data) != summary["data_sha256"]:
+        raise DataError(f"{summary_file} does not describe the data beside it (data_sha256 differs: copied from "
+                        "another prepared folder, or the data was changed); run `draftsmith prepare` again")
     try:
         ds = load_from_disk(str(data))
     except Exception as err:  # datasets/pyarrow raise many kinds on a damaged folder

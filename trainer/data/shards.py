@@ -133,6 +133,15 @@ def load_manifest(path: str | Path) -> CaptureInfo:
                         f"{LAYER_ID_CONVENTION!r}; capture again with this version")
     try:
         check_layer_ids(manifest.get("aux_layer_ids") or [], f"{f}: aux_layer_ids")
+        stored = manifest["aux_layer_ids"]
+        per_draft = manifest.get("draft_layer_ids")
+        if not isinstance(per_draft, dict):
+            raise DataError(f"{f}: draft_layer_ids must map each draft to its layer ids; capture again")
+        for name, ids in per_draft.items():  # each draft's ids: strictly increasing, among the stored columns
+            check_layer_ids(ids, f"{f}: draft_layer_ids.{name}")
+            if not set(ids) <= set(stored):
+                raise DataError(f"{f}: draft_layer_ids.{name} {ids} are not all among the stored aux_layer_ids "
+                                f"{stored}; the manifest was edited: restore it or capture again")
     except DraftsmithError as err:
         raise DataError(str(err)) from None
     return CaptureInfo(path, manifest)

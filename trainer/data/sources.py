@@ -80,6 +80,9 @@ def iter_json_array(text: str, report: ReadReport, limit: int | None) -> Iterato
             return
         try:
             record, i = decoder.raw_decode(text, i)
+        except RecursionError:
+            raise DataError(f"{report.path}: record {index} (character {i}) nests too deeply to read; flatten or drop "
+                            "it") from None
         except json.JSONDecodeError:
             report.truncated, report.truncated_at_byte = True, i
             report.notes.append(f"file ends mid-record at character {i}: read the {index} complete records before it")
@@ -113,6 +116,8 @@ def iter_jsonl(path: Path, report: ReadReport, limit: int | None) -> Iterator[tu
             except json.JSONDecodeError as err:
                 # A bad line is a bad record (index kept), not the end of the file.
                 record = {"__invalid_json__": f"line {lineno}: {err.msg}"}
+            except RecursionError:
+                record = {"__invalid_json__": f"line {lineno}: nests too deeply to read"}
             report.records_read += 1
             yield index, record
             index += 1
@@ -136,6 +141,8 @@ def read_chats(source: str, limit: int | None = None) -> tuple[Iterator[tuple[in
         obj = json.loads(text)
     except json.JSONDecodeError as err:
         raise DataError(f"{path}: not JSON ({err.msg} at line {err.lineno}); use a JSON array or JSONL") from None
+    except RecursionError:
+        raise DataError(f"{path}: nests too deeply to read; flatten its records") from None
     for key in ("data", "conversations", "records"):
         if isinstance(obj, dict) and isinstance(obj.get(key), list):
             records = obj[key][:limit] if limit else obj[key]

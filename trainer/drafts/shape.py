@@ -22,17 +22,19 @@ from trainer.errors import ConfigError
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
 
 
-def flat_rope_parameters(t) -> dict:
-    """The target's RoPE as one flat dict, what a Llama/Qwen3 draft config carries (vLLM's
-    get_rope hashes it). A per-layer-type target (Gemma-3: {"full_attention": {...},
-    "sliding_attention": {...}}) gives its full-attention parameters: the draft's attention
-    is global. Older configs without rope_parameters give their rope_theta."""
-    rope = getattr(t, "rope_parameters", None)
+def flat_rope(rope: dict | None, rope_theta: float = 10000.0) -> dict:
+    """RoPE parameters as one flat dict, what a Llama/Qwen3 draft config carries (vLLM's
+    get_rope hashes it: a nested dict raises "unhashable type"). Per-layer-type parameters
+    (Gemma-3: {"full_attention": {...}, "sliding_attention": {...}}) give the full-attention
+    ones: the draft's attention is global. None gives the default RoPE at `rope_theta`."""
     if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
         rope = rope.get("full_attention") or next(iter(rope.values()))
-    if not rope:
-        rope = {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)}
-    return dict(rope)
+    return dict(rope) if rope else {"rope_type": "default", "rope_theta": rope_theta}
+
+
+def flat_rope_parameters(t) -> dict:
+    """The target config `t`'s RoPE, flat (flat_rope); older configs give their rope_theta."""
+    return flat_rope(getattr(t, "rope_parameters", None), getattr(t, "rope_theta", 10000.0))
 
 
 @dataclass

@@ -1,0 +1,194 @@
+"""Nothing a user owns is ever destroyed, and the last hostile inputs get one clear line,
+through the real entry points: a stage's output pointed at (or into, or around) one of its
+inputs is refused with every input byte-identical afterwards; overwrite replaces only a folder
+of its own stage; manifests and summaries are checked against what they describe; NaN and inf
+settings, bad eval files, read-only folders, broken templates and absurdly nested JSON."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from recipes import capture, cli, prepare, train
+from recipes import eval as eval_recipe
+from recipes import export as export_recipe
+from tests.conftest import GOOD_CHATS, REPO, write_jsonl
+from tests.test_bad_input import one_line_error
+
+TINY_EAGLE3 = REPO / "recipes" / "configs" / "tiny" / "eagle3.yaml"
+
+
+def tree_hash(path) -> str:
+    """sha256 over every file under `path` (names and bytes): 'byte-identical afterwards'."""
+    h = hashlib.sha256()
+    paths = [path] if os.path.isfile(path) else sorted(p for p in path.rglob("*") if p.is_file())
+    for p in paths:
+        h.update(str(p.relative_to(path) if p != path else p.name).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def own(tmp_path, tiny_capture):
+    """Copies the test may point stages at: a source file in its folder, a prepared folder, a
+    capture, a trained draft and its export, all of the tiny target."""
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    src = write_jsonl(src_dir / "chats.jsonl", GOOD_CHATS)
+    prepared = tmp_path / "prepared"
+    shutil.copytree(tiny_capture.parent / "prepared", prepared)
+    cap = tmp_path / "capture"
+    shutil.copytree(tiny_capture, cap)
+    return {"src_dir": src_dir, "src": src, "prepared": prepared, "capture": cap}
+
+
+@pytest.fixture(scope="module")
+def trained_and_export(tmp_path_factory, tiny_capture, tiny_target_dir):
+    d = tmp_path_factory.mktemp("owned")
+    train.main(["--config", str(TINY_EAGLE3), f"data={tiny_capture}", f"target={tiny_target_dir}",
+                f"output_dir={d / 'eagle3'}", "max_steps=2", "save_every=1000"])
+    export_recipe.main(["--draft", str(d / "eagle3"), "--output-dir", str(d / "export")])
+    return d / "eagle3", d / "export"
+
+
+def _unchanged(fn, *paths):
+    before = [tree_hash(p) for p in paths]
+    fn()
+    assert [tree_hash(p) for p in paths] == before
+
+
+def test_a_stage_never_writes_over_its_own_input(own, tiny_target_dir, trained_and_export, tmp_path, capsys):
+    draft, export = trained_and_export
+    t = f"target={tiny_target_dir}"
+    cases = [  # (entry point, argv, the input that must survive)
+        (prepare.main, [f"output_dir={own['src_dir']}", t, f"source={own['src']}", "overwrite=true"], own["src_dir"]),
+        (capture.main, [f"data={own['prepared']}", f"output_dir={own['prepared']}", t, "overwrite=true"],
+         own["prepared"]),
+        (train.main, ["--config", str(TINY_EAGLE3), f"data={own['capture']}", f"output_dir={own['capture']}", t,
+                      "overwrite=true"], own["capture"]),
+        (export_recipe.main, ["--draft", str(draft), "--output-dir", str(draft), "--overwrite"], draft),
+        (eval_recipe.main, ["--draft", str(draft), "--output-dir", str(draft), "--num-prompts", "1"], draft),
+        (eval_recipe.main, ["--draft", str(export), "--output-dir", str(export), "--num-prompts", "1"], export),
+        (eval_recipe.main, ["--draft", str(draft), "--output-dir", str(own["capture"]), "--num-prompts", "1"],
+         own["capture"]),  # not an input, but not an eval folder: eval writes only into its own kind
+        (prepare.main, [f"output_dir={own['capture']}", t, f"source={own['src']}", "overwrite=true"], own["capture"]),
+    ]
+    for fn, argv, keep in cases:
+        _unchanged(lambda fn=fn, argv=argv: one_line_error(capsys, fn, argv, "output_dir"), keep)
+    # a symlink to an input is that input
+    link = tmp_path / "link"
+    link.symlink_to(own["prepared"], target_is_directory=True)
+    _unchanged(lambda: one_line_error(capsys, capture.main, [f"data={own['prepared']}", f"output_dir={link}", t,
+                                                             "overwrite=true"], "is an input of this run"),
+               own["prepared"])
+    # around an input: an output folder that contains the capture it trains on
+    _unchanged(lambda: one_line_error(capsys, train.main, ["--config", str(TINY_EAGLE3), f"data={own['capture']}",
+                                                           f"output_dir={tmp_path}", t, "overwrite=true"],
+                                      "contains an input"), own["capture"])
+    # eval may write its report into the export it measures (recorded there for upload), never over it
+    eval_recipe.main(["--draft", str(export), "--output-dir", str(export / "eval"), "--num-prompts", "1",
+                      "--max-new-tokens", "4"])
+    m = json.loads((export / "draftsmith_export.json").read_text())
+    assert "eval/report.json" in m["added_files"]
+
+
+def test_a_manifest_is_evidence_not_trust(own, tiny_target_dir, tmp_path, capsys):
+    cap = own["capture"]
+    m = json.loads((cap / "manifest.json").read_text())
+    m["draft_layer_ids"]["eagle3"] = list(reversed(m["draft_layer_ids"]["eagle3"]))  # [3, 2, 1]
+    (cap / "manifest.json").write_text(json.dumps(m))
+    argv = ["--config", str(TINY_EAGLE3), f"data={cap}", f"target={tiny_target_dir}", f"output_dir={tmp_path / 'd'}"]
+    one_line_error(capsys, train.main, argv, "draft_layer_ids.eagle3", "strictly increasing")
+    one_line_error(capsys, cli.main, ["inspect-capture", str(cap)], "draft_layer_ids.eagle3")
+    m["draft_layer_ids"]["eagle3"] = [1, 2, 7]  # increasing, but not all stored
+    (cap / "manifest.json").write_text(json.dumps(m))
+    one_line_error(capsys, train.main, argv, "not all among the stored aux_layer_ids")
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_summary_is_checked_against_its_data(own, tiny_target_dir, tmp_path, capsys):
+    from tests.conftest import splice_prepared
+
+    other = tmp_path / "other"
+    prepare.main([f"output_dir={other}", f"target={tiny_target_dir}", f"source={own['src']}", "max_length=256"])
+    shutil.copyfile(own["prepared"] / "summary.json", other / "summary.json")  # another folder's summary
+    one_line_error(capsys, capture.main, [f"data={other}", f"output_dir={tmp_path / 'c'}", f"target={tiny_target_dir}"],
+                   "does not describe the data beside it")
+    # a summary that describes its data, but the ids are another tokenizer's (beyond this vocabulary)
+    splice_prepared(other, {"input_ids": [[5, 6, 4000, 7]], "loss_mask": [[0, 1, 1, 1]]})
+    one_line_error(capsys, capture.main, [f"data={other}", f"output_dir={tmp_path / 'c'}", f"target={tiny_target_dir}"],
+                   "holds token id 4000")
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["learning_rate=.nan"], "learning_rate=nan is not a finite number"),
+    (["max_grad_norm=.nan"], "max_grad_norm=nan is not a finite number"),
+    (["learning_rate=.inf"], "learning_rate=inf is not a finite number"),
+    (["draft.step_decay=.nan"], "draft.step_decay=nan is not a finite number"),
+])
+def test_nan_and_inf_settings_are_refused_by_name(tiny_capture, tiny_target_dir, tmp_path, capsys, argv, expect):
+    one_line_error(capsys, train.main, ["--config", str(TINY_EAGLE3), f"data={tiny_capture}",
+                                        f"target={tiny_target_dir}", f"output_dir={tmp_path / 'd'}", *argv], expect)
+    assert not (tmp_path / "d").exists()
+
+
+def test_eval_settings_and_files_are_one_line(tiny_target_dir, tmp_path, capsys):
+    t = ["--target", str(tiny_target_dir), "--num-prompts", "1", "--output-dir", str(tmp_path / "ev")]
+    one_line_error(capsys, eval_recipe.main, [*t, "--temperature", ".nan"], "temperature=nan is not a finite number")
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "fine"}\n{"prompt": broken\n')
+    one_line_error(capsys, eval_recipe.main, [*t, "--dataset", f"jsonl:{bad_json}"], "line 2 is not JSON")
+    bad_utf8 = tmp_path / "latin1.jsonl"
+    bad_utf8.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    one_line_error(capsys, eval_recipe.main, [*t, "--dataset", f"jsonl:{bad_utf8}"], "not UTF-8", "line 1")
+
+
+def test_a_broken_chat_template_is_named_before_any_work(own, tiny_target_dir, tmp_path, capsys):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}\n")
+    one_line_error(capsys, prepare.main, [f"output_dir={tmp_path / 'p'}", f"target={tiny_target_dir}",
+                                          f"source={own['src']}", f"chat_template={broken}"],
+                   "not valid Jinja (line 2")
+    assert not (tmp_path / "p").exists()
+
+
+def test_deeply_nested_json_is_a_bad_record(tiny_target_dir, tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" + "[" * 100_000 + "]" * 100_000 + "]")
+    one_line_error(capsys, prepare.main, [f"output_dir={tmp_path / 'p'}", f"target={tiny_target_dir}",
+                                          f"source={deep}"], "nests too deeply")
+    jl = tmp_path / "deep.jsonl"
+    jl.write_text(json.dumps(GOOD_CHATS[0]) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    prepare.main([f"output_dir={tmp_path / 'q'}", f"target={tiny_target_dir}", f"source={jl}"])  # a counted skip
+    s = json.loads((tmp_path / "q" / "summary.json").read_text())
+    assert s["kept"] == 1 and s["skipped"] == {"invalid_json": 1}
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A folder nobody can write into: chmod for a normal user; root ignores modes, so a
+    read-only tmpfs mount there (skipped where mounting is not allowed)."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)
+        return
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot make a read-only folder as root here: {r.stderr.decode().strip()}")
+    yield d
+    subprocess.run(["umount", str(d)], check=False)
+
+
+def test_a_read_only_output_folder_is_one_line(read_only, own, tiny_target_dir, trained_and_export, capsys):
+    draft, _ = trained_and_export
+    one_line_error(capsys, prepare.main, [f"output_dir={read_only / 'p'}", f"target={tiny_target_dir}",
+                                          f"source={own['src']}"], "cannot be")
+    one_line_error(capsys, export_recipe.main, ["--draft", str(draft), "--output-dir", str(read_only / "e")],
+                   "cannot be")
