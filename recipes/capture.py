@@ -40,7 +40,7 @@ from trainer.data.shards import (
 from trainer.data.vocab import build_draft_vocab, coverage, token_counts
 from trainer.dist import process_state
 from trainer.errors import DataError, DraftsmithError
-from trainer.io import atomic_save_safetensors, atomic_write_json, ensure_dir, write_run_files
+from trainer.io import atomic_save_safetensors, atomic_write_json, claim_output, ensure_dir, write_run_files
 from trainer.layer_ids import LAYER_ID_CONVENTION
 from trainer.target import load_target, parse_dtype
 
@@ -67,6 +67,7 @@ def _open_output(out: Path, cfg: CaptureConfig, fingerprint: dict) -> None:
             stale.unlink()
         return
     ensure_dir(out, "output_dir")
+    claim_output(out, "capture")  # overwrite=true may replace what a killed capture leaves
     atomic_write_json(state_file, fingerprint)
 
 

@@ -68,11 +68,13 @@ def make_draft(cfg: EvalConfig, target, **overrides):
 
 
 def run(cfg: EvalConfig, argv=None) -> dict:
+    from trainer.data.chat import read_template
     from trainer.data.evalsets import load_prompts
     from trainer.metrics import CostModel, best_num_draft_tokens
     from trainer.speculative import Sampling, measure
     from trainer.target import load_target
 
+    read_template(cfg.chat_template, "eval --chat-template")  # a given template, checked before any work
     out = check_output_dir(cfg)  # before the measurement, not after it
     target = load_target(target_for(cfg.draft, cfg.target))
     draft, draft_name = make_draft(cfg, target)
@@ -101,7 +103,7 @@ def run(cfg: EvalConfig, argv=None) -> dict:
         "dataset": cfg.dataset, "prompts": len(prompts), "num_draft_tokens": N,
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
                      "draft_sampling": cfg.draft_sampling},
-        "draft_options": dict(cfg.draft_options),
+        "draft_options": dict(getattr(draft, "options", cfg.draft_options)),  # an export's served ones included
         "tau": sp.tau, "cumulative_acceptance": sp.cumulative_acceptance,
         "conditional_acceptance": sp.conditional_acceptance,
         "counts": sp.counts(),  # vLLM's num_drafts, num_accepted_tokens, accepted per position

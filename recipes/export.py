@@ -58,6 +58,10 @@ def run(cfg: ExportConfig, argv=None) -> dict:
     from trainer.io import fresh_output_dir, publish_dir, write_run_files
     from trainer.target import load_target
 
+    if cfg.quantize != "none" and cfg.gate:  # the gate's template, checked before any work
+        from trainer.data.chat import read_template
+
+        read_template(cfg.chat_template, "export --chat-template (the FP8 gate's prompts)")
     out = Path(cfg.output_dir)
     draft_dir = Path(cfg.draft)
     from recipes._common import target_for

@@ -20,6 +20,7 @@ from trainer.data.chat import (
     BadRecord,
     count_reasons,
     normalize,
+    read_template,
     resolve_template,
     tokenize_chat,
 )
@@ -81,6 +82,7 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
     from trainer.io import guard_output
     from trainer.target import content_hash, gguf_to_hf_dir, load_target, resolve_target
 
+    read_template(cfg.chat_template, "prepare chat_template")  # a given template is checked before any work
     guard_output(cfg.output_dir, [*(resolve_source(name) for name, _ in source_entries(cfg.source)),
                                   resolve_target(cfg.target).path,
                                   cfg.chat_template if cfg.chat_template and "{" not in cfg.chat_template else None],

@@ -170,7 +170,7 @@ def load_data(cfg: TrainConfig, target):
 def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
     import shutil
 
-    from trainer.io import ensure_dir, guard_output
+    from trainer.io import claim_output, ensure_dir, guard_output
     from trainer.target import resolve_target
 
     out = guard_output(cfg.output_dir, [cfg.data, resolve_target(cfg.target).path], "train",
@@ -186,6 +186,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
         shutil.rmtree(out)
     if accelerator.is_main_process:
         ensure_dir(out, "output_dir")
+        claim_output(out, "train")  # overwrite=true may replace what a killed run leaves
     accelerator.wait_for_everyone()
     try:
         return _train(cfg, argv, accelerator, out)

@@ -321,3 +321,32 @@ def test_bf16_export_is_vllms_dspark_layout_and_reloads(trained, tmp_path, tiny_
         export_recipe.main(["--draft", str(out), "--target", str(tiny_target_dir), "--output-dir",
                             str(tmp_path / "e2"), "--num-draft-tokens", "5"])
     assert not (tmp_path / "e2").exists()
+
+
+def test_an_export_is_measured_with_the_options_vllm_reads_from_it(trained, tmp_path, tiny_target_dir, tiny_target):
+    """`--draft-option draft_topk=K` is written where vLLM reads it (config.json
+    dspark_draft_topk); the in-tree decoder measuring that export proposes with the same K
+    (as vLLM serves it), unless eval names the option itself."""
+    from recipes import export as export_recipe
+    from recipes._common import load_proposer
+    from trainer.drafts import load_draft
+
+    out, _ = trained
+    e = tmp_path / "e"
+    export_recipe.main(["--draft", str(out), "--target", str(tiny_target_dir), "--output-dir", str(e),
+                        "--num-draft-tokens", "4", "--draft-option", "draft_topk=2", "--dtype", "float32"])
+    assert json.loads((e / "config.json").read_text())["dspark_draft_topk"] == 2
+    # sampled, with drafts sampled from q: top-k changes q itself, so the counts tell the variants apart
+    sampled = dict(draft_sampling="probabilistic", seed=3)
+    served, name = load_proposer(str(e), tiny_target, **sampled)
+    assert served.options == {"draft_topk": 2} and "draft_topk=2" in name
+    _, draft = load_draft(out, tiny_target)
+    runs = {}
+    for label, proposer in (("export", served), ("topk2", dspark.Proposer(draft, draft_topk=2, **sampled)),
+                            ("full", dspark.Proposer(draft, **sampled)),
+                            ("override", load_proposer(str(e), tiny_target, draft_topk=tiny_target.vocab_size,
+                                                       **sampled)[0])):
+        runs[label] = generate(tiny_target, PROMPTS, 24, proposer, num_draft_tokens=4,
+                               sampling=Sampling(temperature=1.0), seed=5)[1].counts()
+    assert runs["export"] == runs["topk2"]  # float32 export: the same weights, the same K
+    assert runs["override"] == runs["full"] != runs["topk2"]  # K changes what is drafted

@@ -101,11 +101,11 @@ def test_a_manifest_is_evidence_not_trust(own, tiny_target_dir, tmp_path, capsys
     m["draft_layer_ids"]["eagle3"] = list(reversed(m["draft_layer_ids"]["eagle3"]))  # [3, 2, 1]
     (cap / "manifest.json").write_text(json.dumps(m))
     argv = ["--config", str(TINY_EAGLE3), f"data={cap}", f"target={tiny_target_dir}", f"output_dir={tmp_path / 'd'}"]
-    one_line_error(capsys, train.main, argv, "draft_layer_ids.eagle3", "strictly increasing")
-    one_line_error(capsys, cli.main, ["inspect-capture", str(cap)], "draft_layer_ids.eagle3")
+    _unchanged(lambda: one_line_error(capsys, train.main, argv, "draft_layer_ids.eagle3", "strictly increasing"), cap)
+    _unchanged(lambda: one_line_error(capsys, cli.main, ["inspect-capture", str(cap)], "draft_layer_ids.eagle3"), cap)
     m["draft_layer_ids"]["eagle3"] = [1, 2, 7]  # increasing, but not all stored
     (cap / "manifest.json").write_text(json.dumps(m))
-    one_line_error(capsys, train.main, argv, "not all among the stored aux_layer_ids")
+    _unchanged(lambda: one_line_error(capsys, train.main, argv, "not all among the stored aux_layer_ids"), cap)
     assert not (tmp_path / "d").exists()
 
 
@@ -115,12 +115,11 @@ def test_a_summary_is_checked_against_its_data(own, tiny_target_dir, tmp_path, c
     other = tmp_path / "other"
     prepare.main([f"output_dir={other}", f"target={tiny_target_dir}", f"source={own['src']}", "max_length=256"])
     shutil.copyfile(own["prepared"] / "summary.json", other / "summary.json")  # another folder's summary
-    one_line_error(capsys, capture.main, [f"data={other}", f"output_dir={tmp_path / 'c'}", f"target={tiny_target_dir}"],
-                   "does not describe the data beside it")
+    argv = [f"data={other}", f"output_dir={tmp_path / 'c'}", f"target={tiny_target_dir}"]
+    _unchanged(lambda: one_line_error(capsys, capture.main, argv, "does not describe the data beside it"), other)
     # a summary that describes its data, but the ids are another tokenizer's (beyond this vocabulary)
     splice_prepared(other, {"input_ids": [[5, 6, 4000, 7]], "loss_mask": [[0, 1, 1, 1]]})
-    one_line_error(capsys, capture.main, [f"data={other}", f"output_dir={tmp_path / 'c'}", f"target={tiny_target_dir}"],
-                   "holds token id 4000")
+    _unchanged(lambda: one_line_error(capsys, capture.main, argv, "holds token id 4000"), other)
     assert not (tmp_path / "c").exists()
 
 
@@ -128,11 +127,13 @@ def test_a_summary_is_checked_against_its_data(own, tiny_target_dir, tmp_path, c
     (["learning_rate=.nan"], "learning_rate=nan is not a finite number"),
     (["max_grad_norm=.nan"], "max_grad_norm=nan is not a finite number"),
     (["learning_rate=.inf"], "learning_rate=inf is not a finite number"),
+    (["weight_decay=-.inf"], "weight_decay=-inf is not a finite number"),
     (["draft.step_decay=.nan"], "draft.step_decay=nan is not a finite number"),
 ])
 def test_nan_and_inf_settings_are_refused_by_name(tiny_capture, tiny_target_dir, tmp_path, capsys, argv, expect):
-    one_line_error(capsys, train.main, ["--config", str(TINY_EAGLE3), f"data={tiny_capture}",
-                                        f"target={tiny_target_dir}", f"output_dir={tmp_path / 'd'}", *argv], expect)
+    _unchanged(lambda: one_line_error(capsys, train.main, ["--config", str(TINY_EAGLE3), f"data={tiny_capture}",
+                                                           f"target={tiny_target_dir}", f"output_dir={tmp_path / 'd'}",
+                                                           *argv], expect), tiny_capture)
     assert not (tmp_path / "d").exists()
 
 
@@ -141,29 +142,65 @@ def test_eval_settings_and_files_are_one_line(tiny_target_dir, tmp_path, capsys)
     one_line_error(capsys, eval_recipe.main, [*t, "--temperature", ".nan"], "temperature=nan is not a finite number")
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"prompt": "fine"}\n{"prompt": broken\n')
-    one_line_error(capsys, eval_recipe.main, [*t, "--dataset", f"jsonl:{bad_json}"], "line 2 is not JSON")
+    _unchanged(lambda: one_line_error(capsys, eval_recipe.main, [*t, "--dataset", f"jsonl:{bad_json}"],
+                                      "line 2 is not JSON"), bad_json)
     bad_utf8 = tmp_path / "latin1.jsonl"
     bad_utf8.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
-    one_line_error(capsys, eval_recipe.main, [*t, "--dataset", f"jsonl:{bad_utf8}"], "not UTF-8", "line 1")
+    _unchanged(lambda: one_line_error(capsys, eval_recipe.main, [*t, "--dataset", f"jsonl:{bad_utf8}"], "not UTF-8",
+                                      "line 1"), bad_utf8)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    _unchanged(lambda: one_line_error(capsys, eval_recipe.main, [*t, "--dataset", f"jsonl:{deep}"], "line 1"), deep)
 
 
-def test_a_broken_chat_template_is_named_before_any_work(own, tiny_target_dir, tmp_path, capsys):
+def test_a_broken_chat_template_is_named_before_any_work(own, tiny_target_dir, trained_and_export, tmp_path,
+                                                        capsys, monkeypatch):
+    """A syntax error, an unknown filter (caught compiling, not by parsing alone), a template that
+    fails to render a plain chat, and a path that names no file (not taken as the template's
+    text): one line each from prepare, eval and export's FP8 gate, before the target is even
+    resolved; the template file and the source are unchanged."""
+    import trainer.target
+
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}\n")
+    unknown_filter = tmp_path / "filter.jinja"
+    unknown_filter.write_text("{% for m in messages %}\n{{ m['content'] | shout }}\n{% endfor %}\n")
+    draft, _ = trained_and_export
+    cases = [(broken, "not valid Jinja (line 2"), (unknown_filter, "No filter named 'shout'"),
+             (tmp_path / "typo.jinja", "neither Jinja text nor a file")]
+    resolved = []
+    monkeypatch.setattr(trainer.target, "resolve_target",
+                        lambda *a, **k: resolved.append(a) or pytest.fail("the target was resolved first"))
+    for path, expect in cases:
+        stages = [(prepare.main, [f"output_dir={tmp_path / 'p'}", f"target={tiny_target_dir}", f"source={own['src']}",
+                                  f"chat_template={path}"]),
+                  (eval_recipe.main, ["--draft", str(draft), "--chat-template", str(path), "--output-dir",
+                                      str(tmp_path / "ev"), "--num-prompts", "1"]),
+                  (export_recipe.main, ["--draft", str(draft), "--output-dir", str(tmp_path / "e"), "--quantize",
+                                        "fp8", "--chat-template", str(path)])]
+        for fn, argv in stages:
+            keep = [p for p in (path, own["src"]) if p.exists()]
+            _unchanged(lambda fn=fn, argv=argv, expect=expect: one_line_error(capsys, fn, argv, expect), *keep)
+    assert not resolved and not any((tmp_path / n).exists() for n in ("p", "ev", "e"))
+    monkeypatch.undo()
+    # compiles, but cannot render a user/assistant chat: named by prepare once the tokenizer is there
+    fails = tmp_path / "fails.jinja"
+    fails.write_text("{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}")
     one_line_error(capsys, prepare.main, [f"output_dir={tmp_path / 'p'}", f"target={tiny_target_dir}",
-                                          f"source={own['src']}", f"chat_template={broken}"],
-                   "not valid Jinja (line 2")
+                                          f"source={own['src']}", f"chat_template={fails}"], "fails to render")
     assert not (tmp_path / "p").exists()
 
 
 def test_deeply_nested_json_is_a_bad_record(tiny_target_dir, tmp_path, capsys):
     deep = tmp_path / "deep.json"
     deep.write_text("[" + "[" * 100_000 + "]" * 100_000 + "]")
-    one_line_error(capsys, prepare.main, [f"output_dir={tmp_path / 'p'}", f"target={tiny_target_dir}",
-                                          f"source={deep}"], "nests too deeply")
+    _unchanged(lambda: one_line_error(capsys, prepare.main, [f"output_dir={tmp_path / 'p'}",
+                                                             f"target={tiny_target_dir}", f"source={deep}"],
+                                      "nests too deeply"), deep)
     jl = tmp_path / "deep.jsonl"
     jl.write_text(json.dumps(GOOD_CHATS[0]) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
-    prepare.main([f"output_dir={tmp_path / 'q'}", f"target={tiny_target_dir}", f"source={jl}"])  # a counted skip
+    _unchanged(lambda: prepare.main([f"output_dir={tmp_path / 'q'}", f"target={tiny_target_dir}", f"source={jl}"]),
+               jl)  # a counted skip
     s = json.loads((tmp_path / "q" / "summary.json").read_text())
     assert s["kept"] == 1 and s["skipped"] == {"invalid_json": 1}
 
@@ -192,3 +229,35 @@ def test_a_read_only_output_folder_is_one_line(read_only, own, tiny_target_dir, 
                                           f"source={own['src']}"], "cannot be")
     one_line_error(capsys, export_recipe.main, ["--draft", str(draft), "--output-dir", str(read_only / "e")],
                    "cannot be")
+
+
+def test_overwrite_replaces_what_a_killed_run_of_the_same_stage_left(own, tiny_target_dir, tmp_path, capsys):
+    """A capture or a training run killed before its run files exist still marks its folder as
+    its own, so overwrite=true replaces it (and only it: a user's folder stays refused)."""
+    from trainer import faults
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t = f"target={tiny_target_dir}"
+    runs = {
+        "capture": ([str(REPO / "recipes" / "capture.py"), f"data={own['prepared']}", t, "samples_per_shard=4",
+                     "max_tokens_per_batch=96", "draft_vocab_size=64"], faults.CAPTURE_AFTER_BATCHES),
+        "train": ([str(REPO / "recipes" / "train.py"), "--config", str(TINY_EAGLE3), f"data={own['capture']}", t,
+                   "max_steps=6", "save_every=2"], faults.TRAIN_AFTER_STEPS),
+    }
+    for stage, (argv, fault) in runs.items():
+        out = tmp_path / f"killed-{stage}"
+        import sys
+
+        killed = subprocess.run([sys.executable, *argv, f"output_dir={out}"], env={**env, fault: "3"},
+                                capture_output=True, text=True, cwd=REPO, timeout=600)
+        assert killed.returncode == faults.EXIT_CODE, killed.stderr
+        assert out.is_dir() and not (out / "provenance.json").exists()  # killed before its run files
+        again = subprocess.run([sys.executable, *argv, f"output_dir={out}", "overwrite=true"], env=env,
+                               capture_output=True, text=True, cwd=REPO, timeout=600)
+        assert again.returncode == 0, (stage, again.stderr[-2000:])
+        assert json.loads((out / "provenance.json").read_text())["stage"] == stage
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    _unchanged(lambda: one_line_error(capsys, capture.main, [f"data={own['prepared']}", f"output_dir={users}", t,
+                                                             "overwrite=true"], "was not written by draftsmith"), users)

@@ -360,3 +360,33 @@ def test_partial_acceptance_is_lossless_and_rolls_the_draft_back_exactly(algorit
     assert 0 < stats.accepted < 3 * stats.rounds and draft.checked == stats.iterations
     partial = stats.accepted_at[0] - stats.accepted_at[-1]  # rounds that accepted some but not all
     assert partial > 0, stats.accepted_at
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash", "dspark"])
+def test_draft_sampling_applies_temperature_only_as_vllms_draft_sampler(algorithm):
+    """vLLM's draft sampler (llm_base_proposer.compute_probs_and_sample_next_token) divides by the
+    temperature and ignores top-k/top-p: under top_k=2, top_p=0.3 the draft's q keeps its whole
+    support, equals the same draft's q without them, and is softmax(logits / T) (the target's p is
+    the one that gets top-k/top-p)."""
+    from trainer.drafts import get
+
+    t = tiny_target()
+    d = _tiny_draft(t, algorithm)
+    qs = {}
+    for name, sampling in (("plain", Sampling(temperature=0.7)),
+                           ("truncated", Sampling(temperature=0.7, top_k=2, top_p=0.3))):
+        prop = get(algorithm).Proposer(d, draft_sampling="probabilistic", seed=1)
+        session = spec.TargetSession(t, [1, 2, 3])
+        pre = session.prefill([PROMPTS[0]])
+        seq = PROMPTS[0] + [int(pre.logits[0, -1].argmax())]
+        prop.begin([seq], pre.aux_hidden_states, session.mask)
+        qs[name] = prop.propose([seq], 3, sampling)
+    assert torch.equal(qs["plain"].q, qs["truncated"].q) and torch.equal(qs["plain"].tokens, qs["truncated"].tokens)
+    first = qs["truncated"].q[0, 0]
+    assert int((first > 0).sum()) > 2  # neither top-k's 2 tokens nor top-p's nucleus
+    # q lives on the draft vocabulary (mapped to target ids) and sums to 1 there
+    target_ids = spec.DraftSampler(d, "probabilistic").target_ids
+    outside = torch.ones_like(first, dtype=torch.bool)
+    outside[target_ids] = False
+    assert first[outside].sum() == 0 and torch.isclose(first[target_ids].sum(), torch.tensor(1.0))
+    assert spec.processed_probs(torch.log(first), Sampling(temperature=0.7, top_k=2)).gt(0).sum() == 2  # p's rule

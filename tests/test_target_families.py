@@ -142,3 +142,85 @@ def test_a_gemma_draft_embeds_as_vllms_draft_does(tmp_path):
     assert torch.equal(draft.embed_tokens(ids), raw)
     assert not torch.allclose(target.backbone.embed_tokens(ids), raw)  # HF's module scales by sqrt(H) = 8
     assert cfg.rope_parameters == target.model.config.rope_parameters["full_attention"]  # the draft attends globally
+
+
+def test_stages_say_whether_vllm_serves_the_draft(family_run, tmp_path, capsys):
+    """Capture (before any work) and export (on its serve line) print one warning for a family
+    vLLM cannot serve and stay quiet for one it can; require_servable=true makes it one error
+    line, with nothing written."""
+    from recipes import capture as capture_recipe
+    from recipes import export as export_recipe
+
+    family, d, target_dir, _, _ = family_run
+    servable = FAMILIES[family][2]
+    capsys.readouterr()
+    capture_recipe.main([f"data={d / 'prepared'}", f"output_dir={tmp_path / 'c'}", f"target={target_dir}",
+                         "max_samples=2", "draft_vocab_size=64", "drafts=[eagle3]"])
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == (0 if servable else 1), err
+    if not servable:
+        assert "SupportsEagle3" in warnings[0] and "capture" in warnings[0]
+    capsys.readouterr()
+    export_recipe.main(["--draft", str(d / "eagle3"), "--output-dir", str(tmp_path / "e")])  # its recorded target
+    out = capsys.readouterr().out
+    assert ("warning:" in out) != servable, out
+    for stage, run in (("capture", lambda: capture_recipe.main([
+                            f"data={d / 'prepared'}", f"output_dir={tmp_path / 'c2'}", f"target={target_dir}",
+                            "max_samples=2", "draft_vocab_size=64", "drafts=[eagle3]", "require_servable=true"])),
+                       ("export", lambda: export_recipe.main(["--draft", str(d / "eagle3"), "--output-dir",
+                                                              str(tmp_path / "e2"), "require_servable=true"]))):
+        if servable:
+            run()
+            continue
+        with pytest.raises(SystemExit) as exc:
+            run()
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(lines) == 1 and "require_servable=true" in lines[0], (stage, lines)
+        assert not (tmp_path / ("c2" if stage == "capture" else "e2")).exists()
+
+
+def test_smollm2s_family_is_servable_by_every_method():
+    """The embedded target's architecture (SmolLM2: LlamaForCausalLM) is one vLLM serves drafts
+    for, by every method draftsmith trains."""
+    from export.servable import servability
+
+    for algorithm in ("eagle3", "dflash", "dspark"):
+        s = servability(["LlamaForCausalLM"], algorithm)
+        assert s.servable and "LlamaForCausalLM" in s.line, s.line
+
+
+@pytest.mark.parametrize("family_run", ["gemma3"], indirect=True)
+def test_a_base_models_drafts_carry_their_datas_template(family_run, tmp_path, capsys):
+    """The tiny Gemma-3 has no chat template (a base model): prepare without one is one line;
+    eval and the FP8 gate of a draft trained on data prepared with one use that template by
+    default (what `--chat-template FILE` with the same text does), and `--no-chat-template`
+    decodes the plain text instead."""
+    from recipes import eval as eval_recipe
+    from recipes import export as export_recipe
+    from tests.test_bad_input import one_line_error
+
+    _, d, target_dir, _, _ = family_run
+    one_line_error(capsys, prepare.main, [f"output_dir={tmp_path / 'p'}", f"target={target_dir}",
+                                          f"source={d / 'chats.jsonl'}"], "has no chat template")
+    template = tmp_path / "turns.jinja"
+    template.write_text(GEMMA_TURNS)
+    common = ["--draft", str(d / "eagle3"), "--dataset", "mtbench", "--num-prompts", "2", "--max-new-tokens", "8"]
+    reports = {}
+    for name, extra in (("data", []), ("file", ["--chat-template", str(template)]), ("plain", ["--no-chat-template"])):
+        eval_recipe.main([*common, "--output-dir", str(tmp_path / name), *extra])
+        reports[name] = json.loads((tmp_path / name / "report.json").read_text())
+    assert reports["data"]["counts"] == reports["file"]["counts"]  # the same prompts, token for token
+    one_line_error(capsys, eval_recipe.main, ["--draft", "ngram", "--target", str(target_dir), "--num-prompts", "1",
+                                              "--output-dir", str(tmp_path / "none")], "has no chat template")
+    from trainer.data.evalsets import chat_prompt_ids, load_prompts
+    from trainer.target import load_target
+
+    tok = load_target(str(target_dir)).tokenizer
+    texts = load_prompts("mtbench", 2)
+    assert chat_prompt_ids(tok, texts, GEMMA_TURNS) != chat_prompt_ids(tok, texts, plain=True)  # they differ
+    # the FP8 gate decodes the same templated prompts (the target alone has none to give)
+    export_recipe.main(["--draft", str(d / "eagle3"), "--output-dir", str(tmp_path / "fp8"), "--quantize", "fp8",
+                        "--gate-prompts", "2"])
+    gate = json.loads((tmp_path / "fp8" / "draftsmith_export.json").read_text())["gate"]
+    assert gate["prompts"] == 2 and gate["tau_bf16"] >= 1

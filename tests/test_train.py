@@ -53,13 +53,46 @@ def test_batch_of_8_equals_8_accumulated_batches_of_1(tmp_path, tiny_capture, ti
         torch.testing.assert_close(wa[k], wb[k], atol=2e-6, rtol=1e-5, msg=k)
 
 
-def test_gradient_checkpointing_changes_memory_not_results(tmp_path, tiny_capture, tiny_target_dir):
-    a, b = tmp_path / "a", tmp_path / "b"
-    train.run(_cfg(tiny_capture, tiny_target_dir, a, "max_steps=2"))
-    train.run(_cfg(tiny_capture, tiny_target_dir, b, "max_steps=2", "gradient_checkpointing=true"))
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash", "dspark"])
+def test_gradient_checkpointing_changes_memory_not_results(tmp_path, tiny_capture, tiny_target_dir, algorithm):
+    """Through the recipe (accelerate's prepared model): the same losses and weights with the
+    draft's layers recomputed in backward, for every algorithm."""
+    config = REPO / "recipes" / "configs" / "tiny" / f"{algorithm}.yaml"
+    runs = {}
+    for name, extra in (("a", []), ("b", ["gradient_checkpointing=true"])):
+        runs[name] = train.run(load_config(TrainConfig, config, [
+            f"data={tiny_capture}", f"target={tiny_target_dir}", f"output_dir={tmp_path / name}", "max_steps=2",
+            "log_every=1", *extra]))
+    assert [h["loss"] for h in runs["a"]["history"]] == pytest.approx([h["loss"] for h in runs["b"]["history"]],
+                                                                       rel=1e-6)
+    wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_draft_vocab_size_has_one_meaning(tmp_path, tiny_capture, tiny_target_dir, capsys):
+    """null: the capture's vocabulary for EAGLE-3 (64 here), the target's full head for a block
+    draft; a smaller int: that many tokens (the most frequent); larger than the capture's: one line
+    naming both sizes, before any training."""
+    smaller = train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / "e32", "max_steps=1",
+                             "draft.draft_vocab_size=32"))
+    cfg = json.loads((tmp_path / "e32" / "config.json").read_text())["draft"]
+    w = load_file(tmp_path / "e32" / "model.safetensors")
+    assert smaller["history"] and cfg["draft_vocab_size"] == 32 and w["lm_head.weight"].shape[0] == 32
+    counts = load_file(tiny_capture / "draft_vocab.safetensors")["counts"]
+    assert sorted((w["d2t"] + torch.arange(32)).tolist()) == sorted(counts.argsort(descending=True, stable=True)[:32]
+                                                                     .tolist())  # the 32 most frequent
+    dflash = REPO / "recipes" / "configs" / "tiny" / "dflash.yaml"
+    train.run(load_config(TrainConfig, dflash, [f"data={tiny_capture}", f"target={tiny_target_dir}",
+                                                f"output_dir={tmp_path / 'd'}", "max_steps=1"]))
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["draft"]["draft_vocab_size"] is None
+    assert "lm_head.weight" not in load_file(tmp_path / "d" / "model.safetensors")  # the target's full head
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.main(_args(tiny_capture, tiny_target_dir, tmp_path / "e128", "draft.draft_vocab_size=128"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "128" in err[0] and "(64 tokens)" in err[0], err
+    assert not (tmp_path / "e128").exists()
 
 
 def _launch(args, env=None, launcher=None):

@@ -373,8 +373,9 @@ class EvalConfig:
             raise ConfigError("num_prompts, max_new_tokens and batch_size must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
-        if self.draft_sampling not in ("greedy", "probabilistic"):
-            raise ConfigError(f"draft_sampling '{self.draft_sampling}' is not one of greedy, probabilistic")
+        from trainer.speculative import check_draft_sampling
+
+        check_draft_sampling(self.draft_sampling)
 
 
 NGRAM_DRAFT_TOKENS = 4  # the n-gram baseline's N when none is given

@@ -84,14 +84,29 @@ STAGE_MARKERS = {"prepare": ("summary.json",), "capture": ("capture_state.json",
                  "eval": ("report.json",), "demo": ("prepared", "capture")}
 
 
+STAGE_FILE = ".draftsmith-stage"  # written when a long stage starts writing into its folder
+
+
+def claim_output(folder: Path, stage: str) -> None:
+    """Mark `folder` as `stage`'s output when the stage starts writing into it (capture, train:
+    they write in place and can be killed before provenance.json exists), so that overwrite=true
+    may replace the folder a killed run left."""
+    atomic_write_text(Path(folder) / STAGE_FILE, stage + "\n")
+
+
 def stage_of(folder: Path) -> str | None:
-    """The draftsmith stage that wrote `folder` (its provenance.json says; older folders are
-    known by their files), or None: not a draftsmith output."""
+    """The draftsmith stage that wrote `folder` (its provenance.json says, or the mark a running
+    stage leaves; older folders are known by their files), or None: not a draftsmith output."""
     folder = Path(folder)
     try:
         stage = json.loads((folder / "provenance.json").read_text()).get("stage")
     except (OSError, ValueError, AttributeError):
         stage = None
+    if not stage:
+        try:
+            stage = (folder / STAGE_FILE).read_text().strip() or None
+        except (OSError, UnicodeDecodeError):
+            stage = None
     if stage:
         return stage
     for name, files in STAGE_MARKERS.items():

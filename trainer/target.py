@@ -80,9 +80,9 @@ def resolve_target(spec: str) -> TargetSource:
             if f.read(4) != b"GGUF":  # every GGUF file starts with this magic
                 raise TargetError(f"target '{spec}' is named .gguf but is not a GGUF file (no GGUF header); pass a "
                                   "real .gguf, an HF model folder or an embedded alias")
-        return TargetSource(name=path.stem, path=path, kind="gguf")
+        return TargetSource(name=path.stem, path=path.resolve(), kind="gguf")  # absolute: recorded, found from anywhere
     if path.is_dir() and (path / "config.json").is_file():
-        return TargetSource(name=path.name, path=path, kind="hf")
+        return TargetSource(name=path.resolve().name, path=path.resolve(), kind="hf")
     raise TargetError(
         f"target '{spec}' is neither an embedded alias ({', '.join(EMBEDDED_TARGETS)}), "
         "an HF model directory with config.json, nor a .gguf file"
@@ -375,5 +375,7 @@ def load_target(spec: str, dtype: str = "float32", device: str | torch.device = 
         raise TargetError(f"target '{spec}' ({hf_dir}) failed to load: {str(err).splitlines()[0]}") from None
     target = Target(model, tokenizer, name=source.name, path=str(source.path), digest=digest, hf_dir=str(hf_dir))
     target.license = read_license(source)
-    target.spec = spec  # as given (an embedded alias stays one): what later stages load it by
+    # what later stages load it by: an embedded alias stays one, a path becomes absolute (a stage
+    # run from another folder finds it)
+    target.spec = spec if spec in EMBEDDED_TARGETS else str(source.path)
     return target

@@ -118,33 +118,58 @@ class Tokenized:
     loss_mask: list[int]  # 1 exactly on assistant tokens (content and end-of-turn)
 
 
-def resolve_template(tokenizer, given: str | None, where: str, owner: str = "the target") -> str:
-    """The chat template to use: `given` (the text of a Jinja template, or a path to a file
-    holding one) or the tokenizer's own; checked once, before any work. One line when there is
-    none or it does not parse (naming its line)."""
+def read_template(given: str | None, where: str) -> str | None:
+    """The text of a given chat template: `given` itself when it is Jinja text (it holds a
+    `{`), else the file it names, which must exist and be UTF-8; compiled once, before any
+    work (check_template). None when none was given. One line for each problem."""
     import os
 
     from trainer.errors import DataError
 
+    if given is None:
+        return None
     text = given
-    if given is not None and "{" not in given and os.path.isfile(given):
+    if "{" not in given:
+        if not os.path.isfile(given):
+            raise DataError(f"{where}: chat template '{given}' is neither Jinja text nor a file (looked for it from "
+                            f"{os.getcwd()}); pass the path of a Jinja file or the template itself")
         try:
-            text = open(given, encoding="utf-8").read()
+            with open(given, encoding="utf-8") as f:
+                text = f.read()
         except (OSError, UnicodeDecodeError) as err:
             raise DataError(f"{where}: chat template file '{given}' cannot be read ({err}); pass a UTF-8 Jinja file") \
                 from None
+    check_template(text, where)
+    return text
+
+
+def resolve_template(tokenizer, given: str | None, where: str, owner: str = "the target") -> str:
+    """The chat template to use: `given` (the text of a Jinja template, or a path to a file
+    holding one: read_template) or the tokenizer's own; checked once, before any work. One
+    line when there is none or it does not compile (naming its line)."""
+    from trainer.errors import DataError
+
+    text = read_template(given, where)
     text = text if text is not None else getattr(tokenizer, "chat_template", None)
     if not text:
         raise DataError(f"{owner} has no chat template and none was given ({where}); pass a Jinja chat template "
                         "(for a base model, e.g. recipes/configs/gemma-3-270m/turns.jinja), or use plain prompts "
                         "where the stage offers it (eval --no-chat-template)")
     check_template(text, where)
+    try:  # what compiling cannot see (an unknown test, a bad operation): one render of the simplest chat
+        for n, gen in ((1, True), (2, False)):
+            render(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}][:n], gen,
+                   text)
+    except Exception as err:  # whatever the template raises on a plain chat (TemplateError, TypeError, ...)
+        raise DataError(f"{where}: the chat template fails to render a user/assistant chat ({type(err).__name__}: "
+                        f"{err}); fix it") from None
     return text
 
 
 def check_template(text: str, where: str) -> None:
-    """A Jinja template that parses, as transformers compiles chat templates (a sandboxed
-    environment): one line naming the line of a syntax error, before any record is read."""
+    """A Jinja template that compiles, as transformers compiles chat templates (a sandboxed
+    environment with its loop controls; compiling, not only parsing, so an unknown filter or
+    test is caught too): one line naming the line of the error, before any record is read."""
     from jinja2.exceptions import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -152,8 +177,8 @@ def check_template(text: str, where: str) -> None:
 
     try:
         ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=["jinja2.ext.loopcontrols"]).parse(text)
-    except TemplateSyntaxError as err:
+                                      extensions=["jinja2.ext.loopcontrols"]).from_string(text)
+    except TemplateSyntaxError as err:  # TemplateAssertionError (unknown filter/test) is one too
         raise DataError(f"{where}: the chat template is not valid Jinja (line {err.lineno}: {err.message}); fix it") \
             from None
 

@@ -255,7 +255,7 @@ class Eagle3Proposer:
     and the trailing holes common to all rows are cropped.
 
     draft_sampling: "greedy" (vLLM 0.32's default) or "probabilistic", seeded by `seed`
-    (trainer.speculative.draft_tokens).
+    (trainer.speculative.DraftSampler).
     """
 
     OPTIONS: tuple[str, ...] = ()  # what `draftsmith eval` may pass: none

