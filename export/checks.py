@@ -12,29 +12,25 @@ target's greedy output, the number of accepted drafts is then known exactly
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
+from export.vllm_env import runner_env, vllm_python
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json
+
+__all__ = ["vllm_python"]  # and the checks below
 
 RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_generate.py"
 PIECES_RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_pieces.py"
 
 
-def vllm_python() -> str | None:
-    """The Python of the vLLM environment: $DRAFTSMITH_VLLM_PYTHON, else .vllm-venv/ in the repo."""
-    env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
-    if env:
-        return env
-    local = Path(__file__).resolve().parent.parent / ".vllm-venv" / "bin" / "python"
-    return str(local) if local.is_file() else None
-
-
-def run_vllm(target_dir: str, prompts: list[list[int]], out: Path, draft: str | None = None,
+def run_vllm(target_dir: str, prompts: list[list[int]] | dict, out: Path, draft: str | None = None,
              num_speculative_tokens: int = 3, max_new_tokens: int = 64, dtype: str = "float32",
-             cache_root: Path | None = None, timeout: int = 900, logprobs: int = 0) -> dict:
+             cache_root: Path | None = None, timeout: int = 900, logprobs: int = 0, method: str | None = None) -> dict:
+    """Greedy generation in vLLM (export/runners/vllm_generate.py), with `draft` as its speculator
+    (its method from the export's manifest, or `method` for a folder that is no draftsmith export);
+    `prompts` a list, or {"groups": {name: list}} for counters per group."""
     python = vllm_python()
     if python is None:
         raise DraftsmithError("no vLLM environment: run scripts/setup_vllm.sh or set DRAFTSMITH_VLLM_PYTHON")
@@ -47,16 +43,13 @@ def run_vllm(target_dir: str, prompts: list[list[int]], out: Path, draft: str | 
     if draft:  # vLLM's speculative method is the export's (its manifest says which)
         from export import formats
 
-        method = json.loads((Path(draft) / formats.EXPORT_MANIFEST).read_text())["method"]
+        method = method or json.loads((Path(draft) / formats.EXPORT_MANIFEST).read_text())["method"]
         cmd += ["--draft", str(draft), "--num-speculative-tokens", str(num_speculative_tokens), "--method", method]
     return _run(cmd, out, cache_root, timeout)
 
 
 def _run(cmd: list[str], out: Path, cache_root: Path | None, timeout: int) -> dict:
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root or out.parent / "vllm-cache"),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in-process: the runner inspects the draft
-           "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("PYTHONPATH", None)
+    env = runner_env(cache_root or out.parent / "vllm-cache")  # the engine in-process: the runner inspects the draft
     log = out.with_suffix(".log")
     with open(log, "w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)

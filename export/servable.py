@@ -31,7 +31,7 @@ class Servability:
 def _installed_report(architectures: list[str]) -> dict | None:
     """The installed vLLM's answer (export/runners/vllm_servable.py), cached on disk per vLLM
     install and architecture list; None without a vLLM environment or when it cannot answer."""
-    from export.checks import vllm_python
+    from export.vllm_env import vllm_python
     from trainer.target import cache_root
 
     python = vllm_python()

@@ -8,6 +8,7 @@ chat template and an assistant-only loss mask -> an Arrow dataset + summary.json
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import sys
 
@@ -75,12 +76,76 @@ def _strict_stop(index: int, source: str, reason: str, detail: str = "") -> Data
                      "fix or drop it, or set strict=false to skip bad records")
 
 
+REGENERATED = "regenerated.jsonl"  # in a prepared folder: every answer the target gave
+
+
+def regenerate_answers(cfg: PrepareConfig, kept: list[dict], template: str, hf_dir, source) -> tuple[list, dict]:
+    """The target's answers to every assistant turn of `kept` (trainer/data/regenerate.py's
+    records), by the configured engine; and what to record of the run (engine, version,
+    settings, throughput). vLLM's work folder (its resume state) is removed once done."""
+    import time
+
+    rg = cfg.regenerate
+    max_model_len = rg.max_model_len or cfg.max_length
+    conversations = [r["messages"] for r in kept]
+    total = sum(sum(m["role"] == "assistant" for m in c) for c in conversations)
+    settings = {"engine": rg.engine, "dtype": rg.dtype, "max_new_tokens": rg.max_new_tokens, "temperature": rg.temperature,
+                "top_p": rg.top_p, "top_k": rg.top_k, "truncated": rg.truncated, "max_model_len": max_model_len,
+                "seed": cfg.seed}
+    with tqdm(total=total, desc=f"regenerate ({rg.engine})", unit="turn") as bar:
+        if rg.engine == "vllm":
+            import shutil
+
+            from export.regenerate import regenerate_in_vllm, requests_for, work_dir
+            from trainer.target import cache_root
+
+            requests = requests_for(conversations, template, rg, max_model_len, cfg.seed)
+            work = work_dir(cache_root() / "regenerate", requests)
+            records, report = regenerate_in_vllm(str(hf_dir), requests, work, rg.data_parallel_size,
+                                                 vllm_cache=cache_root() / "vllm-cache", progress=bar.update)
+            shutil.rmtree(work, ignore_errors=True)
+            settings.update(concurrency=rg.concurrency, tensor_parallel_size=rg.tensor_parallel_size,
+                            data_parallel_size=rg.data_parallel_size, prefix_caching=rg.prefix_caching)
+        else:
+            import transformers
+
+            from trainer.data.regenerate import regenerate
+            from trainer.target import load_target
+
+            t0 = time.perf_counter()
+            target = load_target(cfg.target, rg.dtype, device="cuda" if _has_gpu() else "cpu")
+            started = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            records = regenerate(target, conversations, max_new_tokens=rg.max_new_tokens, max_model_len=max_model_len,
+                                 temperature=rg.temperature, top_p=rg.top_p, top_k=rg.top_k, truncated=rg.truncated,
+                                 batch_size=rg.batch_size, seed=cfg.seed, chat_template=template,
+                                 progress=bar.update)
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(r.get("token_ids", ())) for r in records)
+            report = {"engine": "hf", "version": transformers.__version__, "engine_start_s": started,
+                      "generate_s": seconds, "tokens_this_run": tokens, "tokens_per_s": tokens / seconds if seconds else 0}
+            settings["batch_size"] = rg.batch_size
+            del target
+    answers = [r for r in records if "skip" not in r]
+    return records, {**settings, **report, "answers": len(answers),
+                     "tokens": sum(len(r["token_ids"]) for r in answers),
+                     "cut_at_max_new_tokens": sum(r["finish_reason"] == "length" for r in answers),
+                     "empty": sum(not r["text"] for r in answers),
+                     "prompt_too_long": sum("skip" in r for r in records)}
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
     from datasets import Dataset
 
     from trainer.data.sources import resolve_source
     from trainer.io import guard_output
-    from trainer.target import content_hash, gguf_to_hf_dir, load_target, resolve_target
+    from trainer.target import content_hash, gguf_to_hf_dir, resolve_target
 
     read_template(cfg.chat_template, "prepare chat_template")  # a given template is checked before any work
     guard_output(cfg.output_dir, [*(resolve_source(name) for name, _ in source_entries(cfg.source)),
@@ -136,20 +201,17 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
             reports.append(report)
             offset += last + 1
 
+        regenerated = None
         if cfg.regenerate.enabled:
-            target = load_target(cfg.target)
-            from trainer.data.regenerate import regenerate
+            records, regenerated = regenerate_answers(cfg, kept, template, hf_dir, source)
+            from trainer.data.regenerate import apply_answers
 
-            rg = cfg.regenerate
-            total = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in kept)
-            with tqdm(total=total, desc="regenerate", unit="turn") as bar:
-                convs = regenerate(target, [r["messages"] for r in kept], max_new_tokens=rg.max_new_tokens,
-                                   temperature=rg.temperature, top_p=rg.top_p, top_k=rg.top_k,
-                                   batch_size=rg.batch_size, seed=cfg.seed, chat_template=template,
-                                   progress=bar.update)
-            for r, messages in zip(kept, convs):
-                r["messages"] = messages
-            del target
+            convs, ended, cut = apply_answers([r["messages"] for r in kept], records, cfg.regenerate.truncated)
+            skipped += [(kept[c]["index"], reason) for c, reason in ended.items()]
+            dropped.update(cut)
+            regenerated["records_file"] = REGENERATED
+            records = [{"index": kept[r["conv"]]["index"], **r} for r in records]  # the source record, too
+            kept = [{**r, "messages": m} for r, m in zip(kept, convs) if m is not None]
 
         # 3. Tokenize with the chat template and build the assistant loss mask.
         ds = Dataset.from_list(kept) if kept else Dataset.from_dict({"index": [], "messages": []})
@@ -186,11 +248,15 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
             "tokens": sum(lengths), "assistant_tokens": assistant,
             "max_length": cfg.max_length, "longest": max(lengths),
             "regenerated": cfg.regenerate.enabled,
+            **({"regenerate": regenerated} if regenerated else {}),  # engine, version, settings, throughput
             "target": source.name, "target_path": str(source.path), "target_sha256": digest,
             "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
             "chat_template": template,  # the text: eval and regeneration of this data's drafts use it
         }
         ds.save_to_disk(str(tmp / "data"))
+        if regenerated:  # every answer the target gave (token ids, finish reason): evidence, and what equivalence reads
+            with open(tmp / REGENERATED, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
         from trainer.data.prepared import data_digest
 
         summary["data_sha256"] = data_digest(tmp / "data")  # the summary is evidence of this data, checked on load

@@ -59,6 +59,16 @@ def test_missing_required_key_is_named():
 def test_cross_field_check():
     with pytest.raises(ConfigError, match="store_dtype='fp8'"):
         load_config(CaptureConfig, None, ["data=a", "output_dir=b", "store_dtype=fp8"])
+    assert load_config(CaptureConfig, None, ["data=a", "output_dir=b", "store_dtype=float8_e4m3"]).store_dtype \
+        == "float8_e4m3"
+    with pytest.raises(ConfigError, match="engine=vllm settings"):
+        load_config(CaptureConfig, None, ["data=a", "output_dir=b", "tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match="regenerate.engine 'sglang' is not one of hf, vllm"):
+        load_config(PrepareConfig, None, ["output_dir=a", "regenerate.engine=sglang"])
+    with pytest.raises(ConfigError, match="leaves no room for a prompt"):
+        load_config(PrepareConfig, None, ["output_dir=a", "regenerate.max_model_len=256"])  # = max_new_tokens
+    with pytest.raises(ConfigError, match="regenerate.truncated 'cut' is not keep or drop"):
+        load_config(PrepareConfig, None, ["output_dir=a", "regenerate.truncated=cut"])
 
 
 @pytest.mark.parametrize("main, argv, expect", [

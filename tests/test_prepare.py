@@ -7,7 +7,7 @@ from recipes import prepare
 from tests.conftest import GOOD_CHATS, write_jsonl
 from trainer.config import PrepareConfig, RegenerateConfig
 from trainer.data.chat import normalize, render
-from trainer.data.regenerate import regenerate
+from trainer.data.regenerate import apply_answers, regenerate
 from trainer.errors import DataError
 
 BAD = [
@@ -78,8 +78,10 @@ def test_num_proc_gives_the_same_dataset(tmp_path, tiny_target_dir, good_chats_j
 
 def test_regeneration_replaces_answers_with_the_targets_greedy_output(tiny_target):
     convs = [normalize(c) for c in GOOD_CHATS]
-    batched = regenerate(tiny_target, convs, max_new_tokens=6, batch_size=3)
+    records = regenerate(tiny_target, convs, max_new_tokens=6, max_model_len=256, batch_size=3)
+    batched, skipped, _ = apply_answers(convs, records, "keep")
     tok = tiny_target.tokenizer
+    assert not skipped and len(records) == sum(m["role"] == "assistant" for c in convs for m in c)
     for original, new in zip(convs, batched):
         assert [m["role"] for m in new] == [m["role"] for m in original]
         assert [m["content"] for m in new if m["role"] != "assistant"] == \
@@ -92,10 +94,37 @@ def test_regeneration_replaces_answers_with_the_targets_greedy_output(tiny_targe
         assert new[j]["content"] == tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
+def test_an_answer_that_ends_badly_ends_its_conversation():
+    """apply_answers: an empty answer, a cut one under truncated=drop, or a prompt with no room
+    ends the conversation after its last good answer (later turns counted as dropped); with no
+    good answer left the conversation is skipped with that reason."""
+    conv = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "b"}, {"role": "assistant", "content": "y"}]
+    good = {"token_ids": [5, 2], "text": "fine", "finish_reason": "stop"}
+    cut = {"token_ids": [5, 6], "text": "cut", "finish_reason": "length"}
+    records = [{"conv": 0, "turn": 1, **good}, {"conv": 0, "turn": 3, **cut},
+               {"conv": 1, "turn": 1, **good, "text": ""},
+               {"conv": 2, "turn": 1, "skip": "prompt_too_long"},
+               {"conv": 3, "turn": 1, **good}, {"conv": 3, "turn": 3, **good, "text": ""}]
+    convs, skipped, dropped = apply_answers([conv] * 4, records, "drop")
+    assert convs[0] == [conv[0], {"role": "assistant", "content": "fine"}]
+    assert convs[1] is None and convs[2] is None and convs[3] == convs[0]
+    assert skipped == {1: "regenerate_empty_answer", 2: "regenerate_prompt_too_long"}
+    assert dropped == {"regenerate_answer_truncated": 1, "regenerate_empty_answer": 1}
+    kept, _, _ = apply_answers([conv], records[:2], "keep")  # a cut answer is kept by default
+    assert kept[0][3] == {"role": "assistant", "content": "cut"}
+
+
 def test_prepare_with_regeneration(tmp_path, tiny_target_dir, good_chats_jsonl):
     s = prepare.run(_cfg(tmp_path, tiny_target_dir, good_chats_jsonl,
                          regenerate=RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=4)))
     assert s["regenerated"] and s["kept"] > 0
+    r = s["regenerate"]
+    assert r["engine"] == "hf" and r["answers"] > 0 and r["tokens"] > 0 and r["max_new_tokens"] == 4
+    lines = (tmp_path / "prepared" / "regenerated.jsonl").read_text().splitlines()
+    assert len(lines) == r["answers"] + r["prompt_too_long"]
+    first = json.loads(lines[0])
+    assert {"index", "conv", "turn", "token_ids", "text", "finish_reason"} <= set(first)
 
 
 def test_a_mixture_is_deduplicated_and_counted_per_source(tmp_path, tiny_target_dir):

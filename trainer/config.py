@@ -201,17 +201,36 @@ from trainer.target import DEFAULT_TARGET  # noqa: E402
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
+REGENERATE_ENGINES = ("hf", "vllm")
+
+
 @dataclass
 class RegenerateConfig:
     """Replace assistant turns with the target's own answers (drafts trained on the
-    target's outputs accept more: EAGLE-3 paper, §4; SpecForge's regenerate step)."""
+    target's outputs accept more: EAGLE-3 paper, §4; SpecForge's regenerate step). Turn j of a
+    conversation is generated after the target's answers to turns < j. An empty answer, an
+    answer cut at max_new_tokens under truncated=drop, or a prompt longer than max_model_len
+    ends its conversation at the last good answer (counted; a conversation left with none is
+    skipped and counted)."""
 
     enabled: bool = False
+    # hf: transformers' generate in this process (static batches of batch_size); vllm: the
+    # target in vLLM (its own environment, scripts/setup_vllm.sh; continuous batching)
+    engine: str = "hf"
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    batch_size: int = 8
+    truncated: str = "keep"  # an answer cut at max_new_tokens: keep it, or drop it (and the turns after it)
+    max_model_len: int | None = None  # prompt + answer tokens; null: prepare's max_length
+    batch_size: int = 8  # hf: conversations per generate call
+    concurrency: int = 8  # vllm: requests decoded together (its max_num_seqs)
+    tensor_parallel_size: int = 1  # vllm: devices per engine (targets beyond one device)
+    data_parallel_size: int = 1  # vllm: engines, each on its own devices and share of the conversations
+    # the target's dtype in either engine: float32 (the precision draftsmith computes the target in on
+    # a CPU; vLLM's "auto" would downcast a float32 checkpoint to bfloat16), or bfloat16 / float16 on GPUs
+    dtype: str = "float32"
+    prefix_caching: bool = False  # vllm: faster multi-turn, but a resumed run may then round differently
 
 
 @dataclass
@@ -238,8 +257,21 @@ class PrepareConfig:
             raise ConfigError("max_records must be >= 1 (or null for all records)")
         if self.num_proc < 1:
             raise ConfigError("num_proc must be >= 1")
-        if self.regenerate.temperature < 0 or not 0 < self.regenerate.top_p <= 1:
-            raise ConfigError("regenerate.temperature must be >= 0 and regenerate.top_p in (0, 1]")
+        rg = self.regenerate
+        if rg.temperature < 0 or not 0 < rg.top_p <= 1 or rg.top_k < 0:
+            raise ConfigError("regenerate.temperature must be >= 0, regenerate.top_p in (0, 1], regenerate.top_k >= 0")
+        if rg.engine not in REGENERATE_ENGINES:
+            raise ConfigError(f"regenerate.engine '{rg.engine}' is not one of {', '.join(REGENERATE_ENGINES)}")
+        if rg.truncated not in ("keep", "drop"):
+            raise ConfigError(f"regenerate.truncated '{rg.truncated}' is not keep or drop")
+        if min(rg.max_new_tokens, rg.batch_size, rg.concurrency, rg.tensor_parallel_size, rg.data_parallel_size) < 1:
+            raise ConfigError("regenerate.max_new_tokens, batch_size, concurrency, tensor_parallel_size and "
+                              "data_parallel_size must be >= 1")
+        if rg.max_model_len is not None and rg.max_model_len <= rg.max_new_tokens:
+            raise ConfigError(f"regenerate.max_model_len={rg.max_model_len} leaves no room for a prompt beside "
+                              f"max_new_tokens={rg.max_new_tokens}; raise it or null for max_length")
+        if rg.dtype not in _DTYPE_NAMES:
+            raise ConfigError(f"regenerate.dtype '{rg.dtype}' is not one of {', '.join(_DTYPE_NAMES)}")
 
 
 @dataclass
@@ -253,7 +285,18 @@ class CaptureConfig:
     # Entering-layer convention (id i = HF hidden_states[i]), strictly increasing; null: the drafts' defaults.
     aux_layer_ids: list[int] | None = None
     target_dtype: str = "float32"  # the dtype the target runs in
-    store_dtype: str = "bfloat16"  # the dtype hidden states are stored in
+    # the dtype hidden states are stored in: float32 | bfloat16 | float16 | float8_e4m3 (a scale per
+    # token and layer: half of bfloat16's bytes; trainer/data/shards.py)
+    store_dtype: str = "bfloat16"
+    # hf: the target in transformers, in each process (data parallel under accelerate launch); vllm: the
+    # target served by vLLM (its own environment), its states written by draftsmith's KV connector
+    # (export/runners/draftsmith_capture_connector.py): for targets beyond one device
+    engine: str = "hf"
+    tensor_parallel_size: int = 1  # vllm: devices per engine
+    pipeline_parallel_size: int = 1  # vllm: pipeline stages per engine
+    data_parallel_size: int = 1  # vllm: engines side by side, each on its own devices and share of the shards
+    concurrency: int = 8  # vllm: sequences prefilled together (its max_num_seqs)
+    estimate: bool = False  # print bytes/token, the disk the capture needs and the time it will take; capture nothing
     max_samples: int | None = None
     samples_per_shard: int = 256
     max_tokens_per_batch: int = 4096  # padded tokens per forward
@@ -266,9 +309,21 @@ class CaptureConfig:
     require_servable: bool = False
 
     def validate(self) -> None:
-        for key in ("target_dtype", "store_dtype"):
-            if getattr(self, key) not in _DTYPE_NAMES:
-                raise ConfigError(f"{key}={getattr(self, key)!r}; use one of {', '.join(_DTYPE_NAMES)}")
+        from trainer.data.shards import STORE_DTYPES
+
+        if self.target_dtype not in _DTYPE_NAMES:
+            raise ConfigError(f"target_dtype={self.target_dtype!r}; use one of {', '.join(_DTYPE_NAMES)}")
+        if self.store_dtype not in STORE_DTYPES:
+            raise ConfigError(f"store_dtype={self.store_dtype!r}; use one of {', '.join(STORE_DTYPES)}")
+        if self.engine not in ("hf", "vllm"):
+            raise ConfigError(f"engine={self.engine!r}; use hf (transformers) or vllm")
+        if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size, self.concurrency) < 1:
+            raise ConfigError("tensor_parallel_size, pipeline_parallel_size, data_parallel_size and concurrency must "
+                              "be >= 1")
+        if self.engine == "hf" and max(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                       self.data_parallel_size) > 1:
+            raise ConfigError("tensor/pipeline/data_parallel_size are engine=vllm settings; with engine=hf, data "
+                              "parallelism is `accelerate launch --num_processes N`")
         if self.samples_per_shard < 1 or self.max_tokens_per_batch < 1 or self.draft_vocab_size < 1:
             raise ConfigError("samples_per_shard, max_tokens_per_batch and draft_vocab_size must be >= 1")
         if self.max_samples is not None and self.max_samples < 1:
@@ -297,6 +352,7 @@ class TrainConfig:
     draft: dict[str, Any] = field(default_factory=dict)
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; caps epochs
+    max_samples: int | None = None  # train on the first N samples of the data only (a data budget); null: all
     batch_size: int = 1  # samples per process per micro-batch
     gradient_accumulation_steps: int = 1
     max_length: int = 2048  # samples are truncated to this many tokens
@@ -328,6 +384,8 @@ class TrainConfig:
                 raise ConfigError(f"{key} must be >= 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps={self.max_steps}; use >= 1, or null to train `epochs` full epochs")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ConfigError(f"max_samples={self.max_samples}; use >= 1, or null for every sample of the data")
         if self.learning_rate <= 0 or self.warmup_steps < 0 or self.max_grad_norm < 0:
             raise ConfigError("learning_rate must be > 0, warmup_steps and max_grad_norm >= 0")
 

@@ -34,6 +34,11 @@ SKIP_REASONS = {
     "control_token": "a turn's text contains a special token of the tokenizer (it would forge a turn)",
     "control_characters": "a turn's text contains control characters (NUL, escape, bidi overrides, ...)",
     "duplicate": "its first user turn repeats an earlier conversation's (a mixture keeps one of each)",
+    # regeneration (trainer/data/regenerate.py): the target left no answer to keep
+    "regenerate_prompt_too_long": "regenerating: its first prompt leaves no room for an answer in max_model_len",
+    "regenerate_empty_answer": "regenerating: the target's first answer is empty",
+    "regenerate_answer_truncated": "regenerating: the target's first answer was cut at max_new_tokens "
+                                   "(regenerate.truncated=drop)",
 }
 
 # C0 controls but tab, newline and carriage return; DEL; C1 controls; Unicode bidi embeddings,
@@ -54,6 +59,10 @@ class BadRecord(Exception):
 DROPPED_TURNS = {
     "leading_assistant_dropped": "an assistant turn before the first user turn (no question to answer)",
     "trailing_user_dropped": "a user turn after the last answer (a question nobody answered)",
+    # regeneration: the turns from the first one without a good answer on (the conversation is kept up to it)
+    "regenerate_prompt_too_long": "regenerating: a later prompt leaves no room for an answer in max_model_len",
+    "regenerate_empty_answer": "regenerating: a later answer is empty",
+    "regenerate_answer_truncated": "regenerating: a later answer was cut at max_new_tokens (truncated=drop)",
 }
 
 

