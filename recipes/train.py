@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from recipes._common import one_line_errors, parse_args
 from trainer import faults
 from trainer.config import TrainConfig, to_yaml
-from trainer.data.collate import CapturedSamples, PreparedSamples, collate
+from trainer.data.collate import CapturedSamples, PreparedSamples, collate, dequantize_states
 from trainer.data.shards import DRAFT_VOCAB, verify_capture
 from trainer.dist import check_world_size, flag
 from trainer.drafts import TrainStep, build, get, save_draft
@@ -214,6 +214,9 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
         if accelerator.is_main_process:
             print(line, file=sys.stderr)
     dataset, aux_ids, d2t, t2d, counts, data_desc = load_data(cfg, target)
+    if cfg.max_samples is not None and cfg.max_samples < len(dataset):  # a data budget: the first N samples
+        dataset = torch.utils.data.Subset(dataset, range(cfg.max_samples))
+        data_desc["max_samples"] = cfg.max_samples
     draft_cfg = dataclasses.replace(cfg.draft).fill_from_target(target.model.config.get_text_config(), aux_ids,
                                                                  int(d2t.numel()))
     draft_cfg = algo.fill_from_data(draft_cfg, counts, target.tokenizer.all_special_ids)
@@ -256,6 +259,7 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
             else loader
         for batch in epoch_loader:
             progress.micro_in_epoch += 1
+            batch = dequantize_states(batch)  # a float8 capture's states, on the device
             if cfg.online:
                 from trainer.capture import capture_batch
 

@@ -118,13 +118,15 @@ def bench_recipe(capture: str, algorithm: str, steps: int, repeats: int, vary: s
               f"peak RSS {rss:7.0f} MiB")
 
 
-def export_for_peer(capture: str, out: Path, max_length: int) -> tuple[list[int], dict]:
-    """The capture's samples (cut to max_length) in speculators' offline format -> (EAGLE-3 ids, info).
-    One extra sample (a copy of the first) is its validation split, which it insists on (not timed)."""
+def export_for_peer(capture: str, out: Path, max_length: int, limit: int | None = None) -> tuple[list[int], dict]:
+    """The capture's samples (cut to max_length; the first `limit` only, if given) in speculators'
+    offline format -> (EAGLE-3 ids, info). One extra sample (a copy of the first) is its
+    validation split, which it insists on (not timed)."""
     import numpy as np
     from datasets import Dataset
     from safetensors.torch import load_file, save_file
 
+    from trainer.data.collate import dequantize_states
     from trainer.data.shards import DRAFT_VOCAB, CaptureReader, verify_capture
 
     info = verify_capture(capture)
@@ -134,8 +136,9 @@ def export_for_peer(capture: str, out: Path, max_length: int) -> tuple[list[int]
     reader = CaptureReader(capture, ids)
     (out / "hidden_states").mkdir(parents=True)
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    for i in [*range(len(reader)), 0]:
-        s = reader[i]
+    n = min(len(reader), limit or len(reader))
+    for i in [*range(n), 0]:
+        s = dequantize_states(reader[i])  # a float8 capture's states in bfloat16, as training sees them
         T = min(s["input_ids"].numel(), max_length)
         states = torch.cat([s["aux_hidden_states"][:T].view(T, len(ids), H), s["last_hidden_state"][:T].view(T, 1, H)], 1)
         save_file({"hidden_states": states.contiguous(), "token_ids": s["input_ids"][:T].long()},
@@ -149,7 +152,6 @@ def export_for_peer(capture: str, out: Path, max_length: int) -> tuple[list[int]
     vocab = load_file(info.path / DRAFT_VOCAB)
     np.save(out / "d2t.npy", vocab["d2t"].numpy())
     np.save(out / "t2d.npy", vocab["t2d"].numpy())
-    n = len(reader)
     desc = {"train_samples": n, "train_tokens": sum(rows["seq_len"][:n]), "draft_vocab_size": int(vocab["d2t"].numel()),
             "train_data_ratio": (n + 0.5) / (n + 1)}  # speculators' split: int(ratio * (n + 1)) = n train rows
     (out / "bench_samples.json").write_text(json.dumps(desc))

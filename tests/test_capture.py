@@ -149,3 +149,91 @@ def test_data_parallel_capture_under_accelerate_launch(tmp_path, prepared, tiny_
     prov = json.loads((tmp_path / "two" / "provenance.json").read_text())
     assert prov["world_size"] == 2  # `--cpu --num_processes 2` would silently run one process
     assert _shard_hashes(tmp_path / "two") == _shard_hashes(tmp_path / "one")
+
+
+def test_float8_rows_round_to_e4m3_with_their_own_scale():
+    """store_states float8_e4m3: each token's state of each layer is scaled by its own max |x| / 448
+    (so rows of very different magnitude keep e4m3's precision) and dequantize inverts it within
+    e4m3's rounding: 2^-4 relative for normal values, scale x 2^-9 absolute near zero."""
+    from trainer.data.shards import dequantize, store_states
+
+    torch.manual_seed(0)
+    H = 16
+    aux = torch.randn(6, 3 * H) * torch.tensor([1.0, 300.0, 1e-3]).repeat_interleave(H)  # 3 layers, 3 magnitudes
+    last = torch.randn(6, H) * 50
+    s = store_states(aux, last, "float8_e4m3")
+    assert s["aux_hidden_states"].dtype == torch.float8_e4m3fn and s["aux_scales"].shape == (6, 3)
+    assert s["last_scales"].shape == (6, 1)
+    for x, q, scale in ((aux, s["aux_hidden_states"], s["aux_scales"]), (last, s["last_hidden_state"], s["last_scales"])):
+        back = dequantize(q, scale, torch.float32)
+        bound = torch.maximum(x.abs() * 2**-4, scale.repeat_interleave(H, -1) * 2**-9)
+        assert ((back - x).abs() <= bound).all()
+        assert q.float().abs().unflatten(-1, (-1, H)).amax(-1).eq(448).all()  # every row uses e4m3's whole range
+    assert s["aux_scales"][:, 1].mean() > 1e5 * s["aux_scales"][:, 2].mean()  # a scale per layer, not per row
+    b = store_states(aux, last, "bfloat16")
+    assert b.keys() == {"aux_hidden_states", "last_hidden_state"} and b["aux_hidden_states"].dtype == torch.bfloat16
+
+
+def test_a_float8_capture_halves_bfloat16_and_trains_on_its_dequantized_states(tmp_path, prepared, tiny_target_dir,
+                                                                             tiny_target):
+    """store_dtype=float8_e4m3: bytes/token on disk are the expected ones (half of bfloat16's
+    states plus a float32 scale per state); a draft's subset of layers keeps its own scales; the
+    collate path dequantizes on the device to the full-precision states within e4m3 rounding;
+    training reads it."""
+    from recipes import train
+    from trainer.config import TrainConfig, load_config
+    from trainer.data.collate import CapturedSamples, collate, dequantize_states
+    from trainer.data.shards import bytes_per_token
+
+    ms = {d: capture.run(_cfg(prepared, tmp_path / d, tiny_target_dir, store_dtype=d))
+          for d in ("float32", "bfloat16", "float8_e4m3")}
+    H = tiny_target.hidden_size
+    assert ms["float8_e4m3"]["bytes_per_token"]["expected"] == bytes_per_token(3, H, "float8_e4m3") == 4 * H + 4 * 4 + 9
+    for m in ms.values():  # the manifest's expected figure is what is on disk (the safetensors header aside)
+        assert m["bytes_per_token"]["on_disk"] == pytest.approx(m["bytes_per_token"]["expected"], rel=0.05)
+    assert ms["float8_e4m3"]["bytes_per_token"]["on_disk"] < 0.6 * ms["bfloat16"]["bytes_per_token"]["on_disk"]
+    verify_capture(tmp_path / "float8_e4m3")
+    full = CapturedSamples(tmp_path / "float32", 256, [1, 3])
+    fp8 = CapturedSamples(tmp_path / "float8_e4m3", 256, [1, 3])  # a subset: the scales follow their layers
+    batch = dequantize_states(collate([fp8[i] for i in range(3)]), torch.float32)
+    ref = collate([full[i] for i in range(3)])
+    assert "aux_scales" not in batch and batch["aux_hidden_states"].shape == ref["aux_hidden_states"].shape
+    for name in ("aux_hidden_states", "last_hidden_state"):
+        err = (batch[name] - ref[name]).abs()
+        assert (err <= ref[name].abs() * 2**-4 + ref[name].abs().amax(-1, keepdim=True) * 2**-8).all(), name
+    assert torch.equal(batch["target_argmax"], ref["target_argmax"])
+    r = train.run(load_config(TrainConfig, REPO / "recipes" / "configs" / "tiny" / "eagle3.yaml", [
+        f"data={tmp_path / 'float8_e4m3'}", f"target={tiny_target_dir}", f"output_dir={tmp_path / 'd'}",
+        "max_steps=2", "log_every=1"]))
+    r32 = train.run(load_config(TrainConfig, REPO / "recipes" / "configs" / "tiny" / "eagle3.yaml", [
+        f"data={tmp_path / 'float32'}", f"target={tiny_target_dir}", f"output_dir={tmp_path / 'd32'}",
+        "max_steps=2", "log_every=1"]))
+    assert r["history"][0]["loss"] == pytest.approx(r32["history"][0]["loss"], rel=0.05)  # the same batch, ~the same loss
+
+
+def test_estimate_before_anything_runs_and_a_capture_that_cannot_fit_is_refused(tmp_path, prepared, tiny_target_dir,
+                                                                              capsys):
+    """capture estimate=true prints bytes/token, the disk it needs and whether it fits, and writes
+    nothing; a capture into a filesystem without the room is one line (needed vs free), before any work."""
+    from tests.test_bad_input import one_line_error
+    from trainer.data.shards import bytes_per_token
+
+    argv = [f"data={prepared}", f"target={tiny_target_dir}", "draft_vocab_size=64"]
+    capture.main([*argv, f"output_dir={tmp_path / 'e'}", "estimate=true", "store_dtype=float8_e4m3"])
+    out = capsys.readouterr().out
+    bpt = bytes_per_token(3, 64, "float8_e4m3")
+    assert f"bytes/token {bpt:,.1f}" in out and "fits" in out and "time:" in out, out
+    assert not (tmp_path / "e").exists()
+    small = tmp_path / "small"
+    small.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {r.stderr.decode().strip()}")
+    try:
+        capture.main([*argv, f"output_dir={small / 'cap'}", "estimate=true", "store_dtype=float32"])
+        assert "DOES NOT FIT" in capsys.readouterr().out
+        one_line_error(capsys, capture.main, [*argv, f"output_dir={small / 'cap'}", "store_dtype=float32"],
+                       "GiB free", "needs")
+        assert not (small / "cap").exists()
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

@@ -33,15 +33,19 @@ class PreparedSamples(Dataset):
                 "loss_mask": torch.tensor(row["loss_mask"][: self.max_length])}
 
 
+STATES = ("aux_hidden_states", "last_hidden_state", "aux_scales", "last_scales")  # per token, stored dtype
+
+
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: input_ids/loss_mask/attention_mask [B, T], target_argmax
     [B, T] (captured samples; -1 at padding), states [B, T, D] in their stored dtype (bf16 captures stay bf16 until
-    the device: half the host memory and transfer; every consumer casts where it computes)."""
+    the device: half the host memory and transfer; every consumer casts where it computes; float8
+    captures stay float8 with their scales until `dequantize_states` on the device)."""
     T = max(s["input_ids"].shape[0] for s in samples)
     B = len(samples)
     out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.long),
            "attention_mask": torch.zeros(B, T, dtype=torch.long)}
-    for name in ("aux_hidden_states", "last_hidden_state"):
+    for name in STATES:
         if name in samples[0]:
             out[name] = torch.zeros(B, T, samples[0][name].shape[-1], dtype=samples[0][name].dtype)
     if "target_argmax" in samples[0]:
@@ -53,7 +57,19 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         out["input_ids"][r, :n] = s["input_ids"].long()
         out["loss_mask"][r, :n] = s["loss_mask"].long()
         out["attention_mask"][r, :n] = 1
-        for name in ("aux_hidden_states", "last_hidden_state"):
+        for name in STATES:
             if name in s:
                 out[name][r, :n] = s[name]
     return out
+
+
+def dequantize_states(batch: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """A batch of a float8 capture (states with their per-row scales, trainer/data/shards.py) with
+    its states dequantized where it now is (the training device), scales dropped; any other
+    batch as it is."""
+    from trainer.data.shards import SCALES, dequantize
+
+    for name, scale in SCALES.items():
+        if scale in batch:
+            batch[name] = dequantize(batch[name], batch.pop(scale), dtype)
+    return batch

@@ -11,6 +11,14 @@ One shard holds the samples [k*S, (k+1)*S) of the prepared data, packed end to e
                                           convention), concatenated in that order
     last_hidden_state  dtype  [N, H]      last decoder layer's output before the final norm
     target_argmax      int32  [N]         the target's greedy next token (from the full-precision state)
+    aux_scales         fp32   [N, L]      store dtype float8_e4m3 only: per token and layer, x = q * scale
+    last_scales        fp32   [N, 1]      store dtype float8_e4m3 only
+
+store dtype (the manifest's store_dtype): float32, bfloat16, float16, or float8_e4m3 with a
+scale per row (token) and layer: scale = max|x| / 448 (e4m3's largest finite value), q =
+x / scale rounded to e4m3, so every row uses e4m3's whole range and none clips (the per-token
+scaling FP8 activations use in vLLM's ptpc_fp8); training dequantizes on its device
+(trainer/data/collate.py `dequantize_states`).
 
 A shard is complete when `<shard>.json` (its sha256 and counts) exists beside it;
 both are written atomically, the sidecar last, so a killed capture never leaves a
@@ -33,6 +41,40 @@ from trainer.layer_ids import LAYER_ID_CONVENTION, check_layer_ids
 FORMAT = "draftsmith-capture-v3"  # v2: draft_layer_ids, one layer-id convention; v3: target_argmax
 MANIFEST = "manifest.json"
 DRAFT_VOCAB = "draft_vocab.safetensors"
+STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float8_e4m3": torch.float8_e4m3fn}
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+SCALES = {"aux_hidden_states": "aux_scales", "last_hidden_state": "last_scales"}  # float8 only
+
+
+def store_states(aux: torch.Tensor, last: torch.Tensor, store_dtype: str) -> dict[str, torch.Tensor]:
+    """Hidden states as a shard stores them: aux [..., L*H] and last [..., H] cast to the store
+    dtype, or for float8_e4m3 quantized per row and layer with their scales (module docstring)."""
+    dtype = STORE_DTYPES[store_dtype]
+    if dtype != torch.float8_e4m3fn:
+        return {"aux_hidden_states": aux.to(dtype), "last_hidden_state": last.to(dtype)}
+    out = {}
+    for name, x in (("aux_hidden_states", aux), ("last_hidden_state", last)):
+        H = last.shape[-1]
+        rows = x.float().unflatten(-1, (-1, H))  # [..., L, H]
+        scale = (rows.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [..., L]
+        out[name] = (rows / scale[..., None]).to(torch.float8_e4m3fn).flatten(-2)  # [..., L*H]
+        out[SCALES[name]] = scale
+    return out
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """q [..., L*H] float8 with scale [..., L] -> [..., L*H] in `dtype`."""
+    L = scale.shape[-1]
+    return (q.float().unflatten(-1, (L, -1)) * scale.float()[..., None]).flatten(-2).to(dtype)
+
+
+def bytes_per_token(num_layers: int, hidden_size: int, store_dtype: str) -> float:
+    """What a token costs on disk: L aux states and the last state (H each) in the store dtype
+    (+ a float32 scale per state for float8), its int32 id, uint8 mask and int32 greedy token."""
+    states = (num_layers + 1) * hidden_size * torch.finfo(STORE_DTYPES[store_dtype]).bits / 8
+    scales = (num_layers + 1) * 4 if store_dtype == "float8_e4m3" else 0
+    return states + scales + 4 + 1 + 4
 
 
 def shard_name(k: int) -> str:
@@ -52,6 +94,7 @@ def pack_samples(samples: list[dict[str, torch.Tensor]], sample_index: list[int]
         "aux_hidden_states": torch.cat([s["aux_hidden_states"] for s in samples]).contiguous(),  # [N, L*H]
         "last_hidden_state": torch.cat([s["last_hidden_state"] for s in samples]).contiguous(),  # [N, H]
         "target_argmax": torch.cat([s["target_argmax"] for s in samples]).to(torch.int32),  # [N]
+        **{k: torch.cat([s[k] for s in samples]).contiguous() for k in SCALES.values() if k in samples[0]},
     }
 
 
@@ -185,7 +228,8 @@ def verify_capture(path: str | Path) -> CaptureInfo:
         except Exception as err:  # safetensors raises its own error types on a damaged header
             raise DataError(f"{where}: shard {entry['file']} is not readable safetensors ({err}); capture again") \
                 from None
-        need = {"input_ids", "loss_mask", "cu_seqlens", "aux_hidden_states", "last_hidden_state", "target_argmax"}
+        need = {"input_ids", "loss_mask", "cu_seqlens", "aux_hidden_states", "last_hidden_state", "target_argmax",
+                *(SCALES.values() if m["store_dtype"] == "float8_e4m3" else ())}
         if need - keys:
             raise DataError(f"{where}: shard {entry['file']} lacks {sorted(need - keys)}; capture again")
         if stored != ids:
@@ -221,6 +265,9 @@ class CaptureReader:
         m = self.info.manifest
         self._columns = layer_columns(m["aux_layer_ids"], layer_ids, m["target"]["hidden_size"]) \
             if layer_ids is not None else None
+        self._layers = None if self._columns is None else [m["aux_layer_ids"].index(i) for i in layer_ids]
+        self._names = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "target_argmax",
+                       *(SCALES.values() if m["store_dtype"] == "float8_e4m3" else ()))
         self._index: list[tuple[int, int]] = []  # global sample -> (shard, row)
         self._cu: list[torch.Tensor] = []
         for k, entry in enumerate(self.info.manifest["shards"]):
@@ -237,8 +284,10 @@ class CaptureReader:
         a, b = int(self._cu[k][r]), int(self._cu[k][r + 1])
         out = {}
         with safe_open(self.info.path / self.info.manifest["shards"][k]["file"], "pt") as f:
-            for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "target_argmax"):
+            for name in self._names:
                 out[name] = f.get_slice(name)[a:b]
         if self._columns is not None:
             out["aux_hidden_states"] = out["aux_hidden_states"][:, self._columns]  # [T, L'*H]
+            if "aux_scales" in out:
+                out["aux_scales"] = out["aux_scales"][:, self._layers]  # [T, L']
         return out
