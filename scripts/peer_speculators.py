@@ -13,7 +13,8 @@ clipping, optimizer, scheduler), so that it runs on a CPU and only training is t
   index; here it is "cpu" (its autocast then targets "cuda" and is a no-op: fp32, like ours),
   and `torch.accelerator.synchronize` (its step timer's, on logged steps) is a no-op;
 - its loss: `--loss-implementation eager` (its default, a fused Triton kernel, needs a GPU);
-- its validation epoch and checkpoint writes are skipped (draftsmith's timed loop does neither);
+- its validation epoch and checkpoint writes are skipped (draftsmith's timed loop does neither;
+  --keep-checkpoint keeps its checkpoint, written after the timed epoch, for scripts/bench_quality.py);
 - `Trainer.train_epoch` is timed: the wall time of the epoch's loop, the first step's warm-up
   included (as draftsmith's `seconds`).
 Writes OUT/peer_report.json: tokens (the tokens of the samples trained on, counted as draftsmith
@@ -41,6 +42,8 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=768, help="speculators' total_seq_len (packing budget)")
     ap.add_argument("--num-layers", type=int, default=1)
     ap.add_argument("--num-workers", type=int, default=0, help="speculators' dataloader workers")
+    ap.add_argument("--keep-checkpoint", action="store_true",
+                    help="save the trained draft as speculators saves it (OUT/checkpoints/0; after the timed epoch)")
     args = ap.parse_args()
 
     import torch
@@ -63,7 +66,8 @@ def main() -> None:
 
     trainer.Trainer.train_epoch = timed_epoch
     trainer.Trainer.val_epoch = lambda self, epoch: None
-    trainer.Trainer.maybe_save_checkpoint = lambda self, *a, **k: None
+    if not args.keep_checkpoint:
+        trainer.Trainer.maybe_save_checkpoint = lambda self, *a, **k: None
 
     out = Path(args.out)
     flags = ["--verifier-name-or-path", args.verifier, "--data-path", str(data), "--speculator-type", "eagle3",

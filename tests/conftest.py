@@ -138,3 +138,26 @@ def splice_prepared(prepared: Path, rows: dict) -> None:
     summary = json.loads((prepared / "summary.json").read_text())
     summary["data_sha256"] = data_digest(prepared / "data")
     (prepared / "summary.json").write_text(json.dumps(summary))
+
+
+def vllm_build(target, export_dir: Path, work: Path, prompt: list[int]):
+    """vLLM's own draft class built from an export (export/runners/vllm_pieces.py), every weight
+    loaded by vLLM's loader, its fc (and a block draft's forward) run on the target's states over
+    `prompt`. Returns (report, vLLM's tensors, the aux states given). Asserts what any family's
+    export must give: every exported tensor a vLLM parameter, nothing unfilled but what vLLM
+    shares from the target, the aux layer ids vLLM derives equal to the draft's."""
+    from export import checks
+
+    cfg = json.loads((export_dir / "draftsmith_export.json").read_text())["draft"]
+    aux = target.forward(torch.tensor([prompt]), aux_layer_ids=cfg["aux_layer_ids"]).aux_hidden_states[0]
+    S = len(prompt) - 1
+    B = cfg.get("block_size", 4)
+    block = [prompt[S]] + [cfg.get("mask_token_id") or prompt[S]] * (B - 1)
+    inputs = {"aux": aux[:S], "positions": torch.arange(S), "block_ids": torch.tensor(block),
+              "block_positions": S + torch.arange(B), "prev": torch.tensor((prompt * B)[:B])}
+    report, got = checks.run_vllm_pieces(target.hf_dir, export_dir, inputs, work / f"{export_dir.name}-pieces.json",
+                                         cache_root=work / "vllm-cache")
+    assert checks.missing_in_vllm(report["export_tensors"], report["parameters"]) == [], export_dir
+    assert set(report["unfilled"]) <= {"lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"}
+    assert report["derived"]["aux_layer_ids"] == cfg["aux_layer_ids"]
+    return report, got, aux[:S]

