@@ -1,7 +1,7 @@
 """Benchmark: regeneration throughput of the two engines on the same conversations, side by side.
 
     .venv/bin/python scripts/bench_regenerate.py [--conversations 32] [--max-prompt 400] [--max-new-tokens 128]
-                                                 [--batch-size 8] [--concurrency 8] [--threads 2]
+                                                 [--batch-size 8] [--concurrency 32] [--threads 2]
 
 The first user turn of packaged ShareGPT conversations (those whose prompt is at most
 --max-prompt tokens), each answered by the target (greedy, the same chat template, the same
@@ -28,8 +28,9 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=400)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="the target's dtype in both engines")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
@@ -44,7 +45,7 @@ def main() -> None:
     from trainer.target import cache_root, load_target
 
     t0 = time.perf_counter()
-    target = load_target(args.target)
+    target = load_target(args.target, args.dtype)
     hf_start = time.perf_counter() - t0
     tok = target.tokenizer
     template = resolve_template(tok, None, "bench")
@@ -62,7 +63,7 @@ def main() -> None:
             break
     max_model_len = args.max_prompt + args.max_new_tokens + 64
     print(f"{len(convs)} ShareGPT first turns (prompt <= {args.max_prompt} tokens), max_new_tokens "
-          f"{args.max_new_tokens}, greedy, {args.threads} threads")
+          f"{args.max_new_tokens}, greedy, {args.dtype}, {args.threads} threads")
 
     t0 = time.perf_counter()
     hf = regenerate(target, convs, max_new_tokens=args.max_new_tokens, max_model_len=max_model_len,
@@ -73,13 +74,14 @@ def main() -> None:
     del target
 
     rg = RegenerateConfig(enabled=True, engine="vllm", max_new_tokens=args.max_new_tokens,
-                          concurrency=args.concurrency)
+                          concurrency=args.concurrency, dtype=args.dtype)
     requests = requests_for(convs, template, rg, max_model_len, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         work = work_dir(Path(tmp), requests)
         vllm, report = regenerate_in_vllm(hf_dir, requests, work, vllm_cache=cache_root() / "vllm-cache")
     v_tokens = sum(len(r["token_ids"]) for r in vllm)
-    same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(hf, vllm))
+    theirs = {(r["conv"], r["turn"]): r["token_ids"] for r in vllm}
+    same = sum(r["token_ids"] == theirs.get((r["conv"], r["turn"])) for r in hf)
 
     rows = [("hf", f"transformers generate, batches of {args.batch_size}", hf_start, hf_tokens, hf_s),
             ("vllm", f"vLLM {report['version']}, {args.concurrency} concurrent", report["engine_start_s"], v_tokens,

@@ -224,7 +224,7 @@ class RegenerateConfig:
     truncated: str = "keep"  # an answer cut at max_new_tokens: keep it, or drop it (and the turns after it)
     max_model_len: int | None = None  # prompt + answer tokens; null: prepare's max_length
     batch_size: int = 8  # hf: conversations per generate call
-    concurrency: int = 8  # vllm: requests decoded together (its max_num_seqs)
+    concurrency: int = 32  # vllm: requests decoded together (its max_num_seqs; GPUs take hundreds)
     tensor_parallel_size: int = 1  # vllm: devices per engine (targets beyond one device)
     data_parallel_size: int = 1  # vllm: engines, each on its own devices and share of the conversations
     # the target's dtype in either engine: float32 (the precision draftsmith computes the target in on
