@@ -127,7 +127,8 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
     bpt = bytes_per_token(len(layer_ids), target.hidden_size, cfg.store_dtype)
     if state.is_main_process:
         # the shards still to write must fit beside what is there: one line before any work otherwise
-        remaining = [k for k in range(num_shards) if not (out / MANIFEST).is_file() and completed_shard(out, k) is None]
+        remaining = [k for k in range(num_shards) if not (out / MANIFEST).is_file()
+                     and not (out / shard_name(k)).with_suffix(".json").is_file()]  # (verified later, hashed once)
         check_space(out, sum(lengths[i] for k in remaining for i in rows[k]) * bpt + vocab_bytes(target.vocab_size))
         _open_output(out, cfg, fingerprint)
     state.wait_for_everyone()

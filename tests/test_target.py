@@ -67,3 +67,13 @@ def test_smollm2_embedded_target_loads_from_the_package(smollm2):
     assert smollm2.eos_token_ids == [2]  # <|im_end|>: the tokenizer's and the generation config's
     assert smollm2.dtype == torch.float32
     assert resolve_target("smollm2-135m-instruct").kind == "gguf"
+
+
+def test_a_target_given_by_a_relative_path_is_recorded_absolute(tiny_target_dir, monkeypatch):
+    """A draft records the target it was loaded by: a relative path would not be found by a
+    later stage run from another folder."""
+    from trainer.target import load_target
+
+    monkeypatch.chdir(tiny_target_dir.parent)
+    t = load_target(tiny_target_dir.name)
+    assert t.spec == str(tiny_target_dir.resolve()) and t.path == str(tiny_target_dir.resolve())
