@@ -95,8 +95,9 @@ def format_table(results: dict, trained: dict) -> str:
             + f"{'tok/s':>8}{'speedup':>9}{'best N':>8}{'weights':>11}")
     from export.formats import exporter
 
-    rows = [f"{exporter(trained['algorithm']).TITLE}, {trained['steps']} training steps; in-tree eval on {ev0['dataset']} "
-            f"({ev0['prompts']} prompts, greedy, N={n}); acc@k = conditional acceptance at draft position k",
+    rows = [f"{exporter(trained['algorithm']).TITLE}, {trained['steps']} training steps on {trained.get('tokens', 0):,.0f} "
+            f"tokens; in-tree eval on {ev0['dataset']} ({ev0['prompts']} prompts, greedy, N={n}); acc@k = conditional "
+            "acceptance at draft position k",
             head, "-" * len(head)]
     sizes = {name: r["export"]["files"]["model.safetensors"]["bytes"] for name, r in results.items()}
     for name, r in results.items():
@@ -115,6 +116,9 @@ def format_table(results: dict, trained: dict) -> str:
     if gate:
         rows.append(f"FP8 gate at export: τ {gate['tau_fp8']:.3f} vs {gate['tau_bf16']:.3f} "
                     f"({gate['relative_change']:+.1%}, bound -{gate['max_tau_drop']:.0%})")
+    rows.append(f"this budget ({trained.get('tokens', 0):,.0f} training tokens) on the learning curve of draftsmith's "
+                "drafts (τ against training tokens, on data as written and regenerated): README, 'Learning curve' "
+                "(scripts/bench_quality.py)")
     rows.append("\nserve the target with a draft (ROCm or CUDA vLLM; pick N from 'best N'):")
     for name, r in results.items():
         rows.append(f"  {name.upper()}: {r['export']['serve']}")

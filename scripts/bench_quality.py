@@ -52,7 +52,7 @@ def data(out: Path, records: int) -> dict[str, Path]:
     py = str(REPO / ".venv" / "bin" / "python")
     common = ["source=sharegpt", f"max_records={records}", "max_length=1024"]
     sets = {"written": [], "regenerated": ["regenerate.enabled=true", "regenerate.engine=vllm",
-                                           "regenerate.max_new_tokens=512", "regenerate.concurrency=8"]}
+                                           "regenerate.max_new_tokens=512", "regenerate.concurrency=32"]}
     caps = {}
     for name, extra in sets.items():
         prepared, cap = out / f"prepared-{name}", out / f"capture-{name}"
