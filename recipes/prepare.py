@@ -203,6 +203,18 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
 
         regenerated = None
         if cfg.regenerate.enabled:
+            # a conversation that does not fit max_length as written (or fails tokenizing) is skipped
+            # here, for its reason, rather than regenerated to be cut again: most long ones stay long
+            fits = []
+            for r in tqdm(kept, desc="check before regenerating", unit="conv"):
+                try:
+                    tokenize_chat(tokenizer, r["messages"], cfg.max_length, template)
+                    fits.append(r)
+                except BadRecord as err:
+                    if cfg.strict:
+                        raise _strict_stop(r["index"], _source_of(r["index"], spans), err.reason, err.detail) from None
+                    skipped.append((r["index"], err.reason))
+            kept = fits
             records, regenerated = regenerate_answers(cfg, kept, template, hf_dir, source)
             from trainer.data.regenerate import apply_answers
 
