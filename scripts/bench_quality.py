@@ -191,8 +191,8 @@ def main() -> None:
     tok = load_target("smollm2-135m-instruct", head_only=True).tokenizer
     prompts = {ds: chat_prompt_ids(tok, load_prompts(ds, args.prompts)) for ds in DATASETS}
     results = []
-    for name in args.data.split(","):
-        for budget in map(int, args.budgets.split(",")):
+    for budget in map(int, args.budgets.split(",")):  # smallest budgets first, every data set: a stopped run
+        for name in args.data.split(","):               # still has the start of each curve
             n, tokens = budget_samples(caps[name], budget)
             for trainer in trainers:
                 d = out / name / f"{trainer}-{budget}"
