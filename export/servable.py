@@ -98,12 +98,14 @@ def servability(architectures: list[str], algorithm: str) -> Servability:
                               "trained for it cannot be served there")
 
 
-def check_servable(target, algorithms: list[str], require: bool, stage: str) -> list[str]:
-    """The servability of each algorithm for `target`: one warning line each where it is not
+def check_servable(target_spec: str, algorithms: list[str], require: bool, stage: str) -> list[str]:
+    """The servability of each algorithm for the target `target_spec` names, read from its config
+    alone (no weights: a stage asks before any work): one warning line each where it is not
     servable (returned, for the stage to print), or with `require` an error."""
     from trainer.errors import DraftsmithError
+    from trainer.target import target_architectures
 
-    archs = list(getattr(target.model.config, "architectures", None) or [])
+    archs = target_architectures(target_spec)
     warnings = []
     for algorithm in algorithms:
         s = servability(archs, algorithm)

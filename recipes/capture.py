@@ -86,11 +86,15 @@ def capture_layer_ids(cfg: CaptureConfig, num_layers: int) -> tuple[list[int], d
 
 
 def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
+    from export.servable import check_servable
     from trainer.io import guard_output
     from trainer.target import resolve_target
 
     state = process_state()
     out = guard_output(cfg.output_dir, [cfg.data, resolve_target(cfg.target).path], "capture", cfg.overwrite)
+    for line in check_servable(cfg.target, cfg.drafts, cfg.require_servable, "capture"):  # before any work
+        if state.is_main_process:
+            print(line, file=sys.stderr)
     ds, prepared = load_prepared(cfg.data)
     if cfg.engine == "vllm" and state.num_processes > 1:
         raise DraftsmithError(f"engine=vllm runs its own engines (data_parallel_size={cfg.data_parallel_size}); start "
@@ -108,11 +112,6 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
                         "ids: it was not tokenized for this target; run `draftsmith prepare` with it")
     layer_ids, draft_layer_ids = capture_layer_ids(cfg, target.num_layers)
     target.check_layer_ids(layer_ids)
-    from export.servable import check_servable
-
-    for line in check_servable(target, cfg.drafts, cfg.require_servable, "capture"):  # before hours of work
-        if state.is_main_process:
-            print(line, file=sys.stderr)
     n = min(len(ds), cfg.max_samples or len(ds))
     fingerprint = {
         "target_sha256": target.content_hash, "data_summary_sha256": hashlib.sha256(

@@ -76,15 +76,17 @@ def run(cfg: ExportConfig, argv=None) -> dict:
         cfg.num_draft_tokens = get(draft_cfg["algorithm"]).Config(**draft_cfg["draft"]).num_positions
     formats.check_export_options(draft_cfg["algorithm"], cfg.format, cfg.quantize, cfg.num_draft_tokens,
                                  draft_cfg["draft"], cfg.draft_options)
+    from export.servable import servability
+    from trainer.target import target_architectures
+
+    # whether vLLM serves it, from the target's config alone: require_servable refuses before any work
+    served = servability(target_architectures(target_for(str(draft_dir), cfg.target)), draft_cfg["algorithm"])
+    if not served.servable and cfg.require_servable:
+        raise DraftsmithError(f"export: {served.line} (require_servable=true; set it false to go on anyway)")
     staging = fresh_output_dir(out, cfg.overwrite)  # refuses an existing output_dir before any work
     try:
         target = load_target(target_for(str(draft_dir), cfg.target))
         formats.check_against_target(draft_cfg, target, draft_dir)
-        from export.servable import servability
-
-        served = servability(list(getattr(target.model.config, "architectures", None) or []), draft_cfg["algorithm"])
-        if not served.servable and cfg.require_servable:
-            raise DraftsmithError(f"export: {served.line} (require_servable=true)")
         extra = {"command": "draftsmith export " + " ".join(argv or []),
                  "servable": {"servable": served.servable, "line": served.line}}
         if cfg.quantize == "none":

@@ -180,8 +180,14 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
             raise DraftsmithError(f"output_dir '{out}' exists; pass resume=latest to continue or overwrite=true")
     if cfg.resume is not None and not out.is_dir():
         raise DraftsmithError(f"resume={cfg.resume} but output_dir '{out}' does not exist; drop resume to start fresh")
+    from export.servable import check_servable
+
+    servable_warnings = check_servable(cfg.target, [cfg.algorithm], cfg.require_servable, "train")  # before any work
     created = not out.exists() or (cfg.overwrite and cfg.resume is None)
     accelerator = make_accelerator(cfg, out)
+    if accelerator.is_main_process:
+        for line in servable_warnings:
+            print(line, file=sys.stderr)
     if cfg.overwrite and cfg.resume is None and accelerator.is_main_process and out.exists():
         shutil.rmtree(out)
     if accelerator.is_main_process:
@@ -208,11 +214,6 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
     # Offline, only the embedding, final norm and LM head are read: the decoder layers are never loaded.
     target = load_target(cfg.target, "float32" if accelerator.device.type == "cpu" else "bfloat16", accelerator.device,
                          head_only=not cfg.online)
-    from export.servable import check_servable
-
-    for line in check_servable(target, [cfg.algorithm], cfg.require_servable, "train"):  # before hours of work
-        if accelerator.is_main_process:
-            print(line, file=sys.stderr)
     dataset, aux_ids, d2t, t2d, counts, data_desc = load_data(cfg, target)
     if cfg.max_samples is not None and cfg.max_samples < len(dataset):  # a data budget: the first N samples
         dataset = torch.utils.data.Subset(dataset, range(cfg.max_samples))

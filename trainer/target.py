@@ -355,6 +355,17 @@ def target_hf_dir(source: TargetSource, digest: str | None = None) -> Path:
     return gguf_to_hf_dir(source, digest or content_hash(source)) if source.kind == "gguf" else Path(source.path)
 
 
+def target_architectures(spec: str) -> list[str]:
+    """The architectures the target's HF config names (a GGUF's from its one-time conversion),
+    read without loading a weight."""
+    source = resolve_target(spec)
+    config = target_hf_dir(source) / "config.json"
+    try:
+        return list(json.loads(config.read_text()).get("architectures") or [])
+    except (OSError, ValueError) as err:
+        raise TargetError(f"target '{spec}': cannot read {config}: {err}") from None
+
+
 def load_target(spec: str, dtype: str = "float32", device: str | torch.device = "cpu",
                 head_only: bool = False) -> Target:
     """Load a target by embedded alias, HF directory or GGUF file; frozen, eval mode.
