@@ -15,7 +15,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from export.vllm_env import runner_env, vllm_python
+from export.vllm_env import require_vllm_python, runner_env, vllm_python
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json
 
@@ -31,9 +31,7 @@ def run_vllm(target_dir: str, prompts: list[list[int]] | dict, out: Path, draft:
     """Greedy generation in vLLM (export/runners/vllm_generate.py), with `draft` as its speculator
     (its method from the export's manifest, or `method` for a folder that is no draftsmith export);
     `prompts` a list, or {"groups": {name: list}} for counters per group."""
-    python = vllm_python()
-    if python is None:
-        raise DraftsmithError("no vLLM environment: run scripts/setup_vllm.sh or set DRAFTSMITH_VLLM_PYTHON")
+    python = require_vllm_python("generation in vLLM")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prompts_file = out.with_suffix(".prompts.json")
@@ -68,9 +66,7 @@ def run_vllm_pieces(target_dir: str, export_dir: Path, inputs: dict, out: Path, 
     keys/values, block hidden states, logits (and DSpark's Markov bias and confidence)."""
     from safetensors.torch import load_file, save_file
 
-    python = vllm_python()
-    if python is None:
-        raise DraftsmithError("no vLLM environment: run scripts/setup_vllm.sh or set DRAFTSMITH_VLLM_PYTHON")
+    python = require_vllm_python("building vLLM's draft modules")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     inputs_file = out.with_suffix(".inputs.safetensors")

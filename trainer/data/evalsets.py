@@ -10,11 +10,9 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 from pathlib import Path
 
-from trainer.data.sources import packaged_path, read_chats
+from trainer.data.sources import jsonl_lines, packaged_path, read_chats
 from trainer.errors import DataError
 
 EVALSETS = {
@@ -27,26 +25,10 @@ EVALSETS = {
 
 def _jsonl(path: Path):
     """Records of a JSONL file; a line that is not UTF-8 or not JSON is one line naming it."""
-    from trainer.data.sources import not_utf8
-
-    opener = gzip.open if path.suffix == ".gz" else open
-    offset = 0
-    with opener(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise not_utf8(path, err, offset, lineno) from None
-            offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {lineno} is not JSON ({err.msg} at column {err.colno}); fix or drop "
-                                "that line") from None
-            except RecursionError:
-                raise DataError(f"{path} line {lineno} nests too deeply to read; flatten or drop that record") from None
+    for lineno, record, why in jsonl_lines(path):
+        if why is not None:
+            raise DataError(f"{path} line {lineno} is not JSON ({why}); fix or drop that line")
+        yield record
 
 
 def _first_user_turn(record) -> str | None:

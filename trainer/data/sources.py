@@ -97,13 +97,14 @@ def not_utf8(path: Path, err: UnicodeDecodeError, offset: int = 0, line: int | N
     return DataError(f"{path}: not UTF-8 ({where}byte {offset + err.start}: {err.reason}); convert the file to UTF-8")
 
 
-def iter_jsonl(path: Path, report: ReadReport, limit: int | None) -> Iterator[tuple[int, object]]:
+def jsonl_lines(path: Path) -> Iterator[tuple[int, object, str | None]]:
+    """(line number, record, None) for each non-blank line of a JSONL file (gzip by its suffix), or
+    (line number, None, why) for a line that is not JSON. A line that is not UTF-8 is one error naming
+    the file, the line and the byte."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
-        index, offset = 0, 0
+        offset = 0
         for lineno, raw in enumerate(f, 1):
-            if limit is not None and index >= limit:
-                return
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -112,15 +113,21 @@ def iter_jsonl(path: Path, report: ReadReport, limit: int | None) -> Iterator[tu
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line), None
             except json.JSONDecodeError as err:
-                # A bad line is a bad record (index kept), not the end of the file.
-                record = {"__invalid_json__": f"line {lineno}: {err.msg}"}
+                yield lineno, None, f"{err.msg} at column {err.colno}"
             except RecursionError:
-                record = {"__invalid_json__": f"line {lineno}: nests too deeply to read"}
-            report.records_read += 1
-            yield index, record
-            index += 1
+                yield lineno, None, "nests too deeply to read"
+
+
+def iter_jsonl(path: Path, report: ReadReport, limit: int | None) -> Iterator[tuple[int, object]]:
+    for index, (lineno, record, why) in enumerate(jsonl_lines(path)):
+        if limit is not None and index >= limit:
+            return
+        if why is not None:  # a bad line is a bad record (index kept), not the end of the file
+            record = {"__invalid_json__": f"line {lineno}: {why}"}
+        report.records_read += 1
+        yield index, record
 
 
 def read_chats(source: str, limit: int | None = None) -> tuple[Iterator[tuple[int, object]], ReadReport]:
