@@ -35,6 +35,16 @@ def test_jsonl_with_a_broken_line_keeps_indices(tmp_path):
     assert "__invalid_json__" in got[1][1]
 
 
+def test_a_limit_reads_no_line_past_it(tmp_path):
+    # max_records=2 must not fail on what lies beyond its records: the third line is not UTF-8.
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"messages": []}\n\n{"messages": []}\n\xff\xfe not text\n')
+    it, report = read_chats(f"jsonl:{path}", limit=2)
+    assert [i for i, _ in it] == [0, 1] and report.records_read == 2
+    with pytest.raises(DataError, match="line 4, byte"):
+        list(read_chats(f"jsonl:{path}")[0])
+
+
 def test_missing_source_is_one_clear_error(tmp_path):
     with pytest.raises(DataError, match="not a file nor one of"):
         read_chats(str(tmp_path / "missing.jsonl"))

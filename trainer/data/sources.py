@@ -112,22 +112,26 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, object, str | None]]:
             offset += len(raw)
             if not line.strip():
                 continue
+            record, why = None, None
             try:
-                yield lineno, json.loads(line), None
+                record = json.loads(line)
             except json.JSONDecodeError as err:
-                yield lineno, None, f"{err.msg} at column {err.colno}"
+                why = f"{err.msg} at column {err.colno}"
             except RecursionError:
-                yield lineno, None, "nests too deeply to read"
+                why = "nests too deeply to read"
+            yield lineno, record, why
 
 
 def iter_jsonl(path: Path, report: ReadReport, limit: int | None) -> Iterator[tuple[int, object]]:
+    if limit is not None and limit <= 0:
+        return
     for index, (lineno, record, why) in enumerate(jsonl_lines(path)):
-        if limit is not None and index >= limit:
-            return
         if why is not None:  # a bad line is a bad record (index kept), not the end of the file
             record = {"__invalid_json__": f"line {lineno}: {why}"}
         report.records_read += 1
         yield index, record
+        if limit is not None and index + 1 >= limit:
+            return  # read no line past the limit: what lies beyond it cannot fail this run
 
 
 def read_chats(source: str, limit: int | None = None) -> tuple[Iterator[tuple[int, object]], ReadReport]:
