@@ -14,13 +14,15 @@ setup-vllm:
 demo: setup
 	$(PY) -m recipes.demo --config recipes/configs/smollm2-135m/demo.yaml $(ARGS)
 
-# The whole suite, end-to-end tests on the real SmolLM2 included.
+# The whole suite, end-to-end tests on the real SmolLM2 included: two workers (a test file each at a
+# time, one thread each; tests/conftest.py pins their vLLM engines to a core each). WORKERS=0: serial.
+WORKERS ?= 2
 test: setup
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile $(ARGS)
 
 # Unit tests only (tiny in-process targets).
 test-fast: setup
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not slow" $(ARGS)
 
 lint: setup
 	.venv/bin/ruff check .

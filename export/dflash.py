@@ -15,8 +15,6 @@ vocabulary (lm_head + d2t; vLLM skips t2d).
 
 from __future__ import annotations
 
-import torch
-
 from trainer.drafts.shape import flat_rope
 from trainer.errors import DraftsmithError
 from trainer.layer_ids import entering_to_output
@@ -39,72 +37,56 @@ def key_map(fmt: str, names: list[str]) -> dict[str, str]:
     return {k: k for k in names}
 
 
-def keep_bf16(d: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> dict[str, str]:
+def keep_bf16(draft: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> dict[str, str]:
     """{file/Quark name: vLLM runtime name} of the layers that stay BF16 in an FP8 export
     (lm_head only where the draft has its own: otherwise it is the target's, not in the file).
     q/k/v stay BF16 together or not at all (vLLM fuses them); vLLM 0.32 then projects the
     context through the raw BF16 weight instead of the FP8 quant method."""
-    own_head = d.get("draft_vocab_size") is not None
+    own_head = draft.get("draft_vocab_size") is not None
     keep = {**(KEEP_BF16 if own_head else {}), **({} if quantize_fc else KEEP_BF16_UNLESS_ASKED)}
     if not quantize_qkv:
         keep.update({f"layers.{i}.self_attn.{p}_proj": f"model.layers.{i}.self_attn.{p}_proj"
-                     for i in range(d["num_hidden_layers"]) for p in "qkv"})
+                     for i in range(draft["num_hidden_layers"]) for p in "qkv"})
     return keep
 
 
-def target_layer_ids(d: dict) -> list[int]:
+def target_layer_ids(draft: dict) -> list[int]:
     """Our entering-layer ids -> vLLM's DFlash output-of-layer ids (vLLM adds 1 back)."""
-    return [entering_to_output(i) for i in d["aux_layer_ids"]]
+    return [entering_to_output(i) for i in draft["aux_layer_ids"]]
 
 
-def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int, options: dict | None = None) -> dict:
+def config_json(draft: dict, target, fmt: str, dtype: str, num_draft_tokens: int, options: dict | None = None) -> dict:
     tcfg = target.model.config.get_text_config()
-    rope = flat_rope(d["rope_parameters"])  # one flat dict, whatever the target's layer types
+    rope = flat_rope(draft["rope_parameters"])  # one flat dict, whatever the target's layer types
     cfg = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-        "hidden_size": d["hidden_size"], "intermediate_size": d["intermediate_size"],
-        "num_hidden_layers": d["num_hidden_layers"], "num_attention_heads": d["num_attention_heads"],
-        "num_key_value_heads": d["num_key_value_heads"], "head_dim": d["head_dim"], "hidden_act": "silu",
-        "rms_norm_eps": d["rms_norm_eps"], "attention_bias": False, "tie_word_embeddings": False,
-        "max_position_embeddings": max(d["max_position_embeddings"], tcfg.max_position_embeddings),
+        "hidden_size": draft["hidden_size"], "intermediate_size": draft["intermediate_size"],
+        "num_hidden_layers": draft["num_hidden_layers"], "num_attention_heads": draft["num_attention_heads"],
+        "num_key_value_heads": draft["num_key_value_heads"], "head_dim": draft["head_dim"], "hidden_act": "silu",
+        "rms_norm_eps": draft["rms_norm_eps"], "attention_bias": False, "tie_word_embeddings": False,
+        "max_position_embeddings": max(draft["max_position_embeddings"], tcfg.max_position_embeddings),
         "rope_parameters": rope, "rope_theta": rope.get("rope_theta", 10000.0),
-        "vocab_size": d["vocab_size"], "target_hidden_size": d["target_hidden_size"],
-        "block_size": d["block_size"], "num_target_layers": len(d["aux_layer_ids"]),
-        "dflash_config": {"mask_token_id": d["mask_token_id"], "target_layer_ids": target_layer_ids(d)},
+        "vocab_size": draft["vocab_size"], "target_hidden_size": draft["target_hidden_size"],
+        "block_size": draft["block_size"], "num_target_layers": len(draft["aux_layer_ids"]),
+        "dflash_config": {"mask_token_id": draft["mask_token_id"], "target_layer_ids": target_layer_ids(draft)},
         "bos_token_id": tcfg.bos_token_id, "eos_token_id": tcfg.eos_token_id,
         "torch_dtype": dtype, "dtype": dtype,
     }
-    if d.get("draft_vocab_size") is not None:
-        cfg["draft_vocab_size"] = d["draft_vocab_size"]
+    if draft.get("draft_vocab_size") is not None:
+        cfg["draft_vocab_size"] = draft["draft_vocab_size"]
     return cfg
 
 
-def probe(config: dict, w: dict, d: dict, token: int) -> tuple[dict, dict, dict]:
-    """The constant-proposal probe (export/checks.py): a one-token draft vocabulary
-    {token} (lm_head [1, H], d2t = [token]), so that vLLM's compute_logits scatters one
-    finite logit into -inf and every slot proposes `token`. Returns (config.json,
-    tensors, draft config) of the probe."""
-    if not 0 <= token < d["vocab_size"]:
-        raise DraftsmithError(f"probe token {token} is outside the vocabulary (0..{d['vocab_size'] - 1})")
-    w = {k: v for k, v in w.items() if k not in ("lm_head.weight", "d2t", "t2d")}
-    ref = w["norm.weight"]
-    w["lm_head.weight"] = torch.ones(1, ref.numel(), dtype=ref.dtype)
-    w["d2t"] = torch.tensor([token], dtype=torch.int64)
-    t2d = torch.zeros(d["vocab_size"], dtype=torch.bool)
-    t2d[token] = True
-    w["t2d"] = t2d
-    return {**config, "draft_vocab_size": 1}, w, {**d, "draft_vocab_size": 1}
-
-
 def describe(manifest: dict) -> list[str]:
-    d = manifest["draft"]
-    return [f"- {d['num_hidden_layers']} Qwen3-style decoder layer(s) (hidden {d['hidden_size']}, "
-            f"{d['num_attention_heads']} heads / {d['num_key_value_heads']} KV heads, MLP {d['intermediate_size']}) "
-            f"drafting blocks of {d['block_size']} ([anchor, mask x {d['block_size'] - 1}], mask token "
-            f"{d['mask_token_id']}) in one forward",
-            f"- context: `fc` fusing the target's hidden states at output-of-layer ids {target_layer_ids(d)} "
+    draft = manifest["draft"]
+    return [f"- {draft['num_hidden_layers']} Qwen3-style decoder layer(s) (hidden {draft['hidden_size']}, "
+            f"{draft['num_attention_heads']} heads / {draft['num_key_value_heads']} KV heads, "
+            f"MLP {draft['intermediate_size']}) "
+            f"drafting blocks of {draft['block_size']} ([anchor, mask x {draft['block_size'] - 1}], mask token "
+            f"{draft['mask_token_id']}) in one forward",
+            f"- context: `fc` fusing the target's hidden states at output-of-layer ids {target_layer_ids(draft)} "
             "(vLLM's `dflash_config.target_layer_ids`)",
-            "- vocabulary: " + (f"{d['draft_vocab_size']:,} of the target's {d['vocab_size']:,} tokens (`d2t`)"
-                                if d.get("draft_vocab_size") else "the target's LM head (not included)")
+            "- vocabulary: " + (f"{draft['draft_vocab_size']:,} of the target's {draft['vocab_size']:,} tokens (`d2t`)"
+                                if draft.get("draft_vocab_size") else "the target's LM head (not included)")
             + "; the token embedding is the target's (not included)",
             "- layout: vLLM `DFlashDraftModel` (`--speculative-config '{\"method\": \"dflash\", ...}'`)"]

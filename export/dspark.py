@@ -52,27 +52,27 @@ def key_map(fmt: str, names: list[str]) -> dict[str, str]:
     return {k: k.removeprefix(BACKBONE) for k in names}
 
 
-def keep_bf16(d: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> dict[str, str]:
+def keep_bf16(draft: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> dict[str, str]:
     """{file/Quark name: vLLM runtime name} of the layers that stay BF16 in an FP8 export:
     DFlash's (fc unless asked, the own lm_head, q/k/v on request) and the Markov and
     confidence heads."""
-    return {**dflash.keep_bf16(d, quantize_fc, quantize_qkv), **HEADS,
-            **(CONFIDENCE if d.get("enable_confidence_head") else {})}
+    return {**dflash.keep_bf16(draft, quantize_fc, quantize_qkv), **HEADS,
+            **(CONFIDENCE if draft.get("enable_confidence_head") else {})}
 
 
-def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int, options: dict | None = None) -> dict:
-    if d.get("markov_head_type", "vanilla") != "vanilla":
-        raise DraftsmithError(f"markov_head_type {d['markov_head_type']!r}: vLLM builds only the vanilla head")
-    cfg = dflash.config_json(d, target, fmt, dtype, 1)  # the Qwen3 body of the backbone
+def config_json(draft: dict, target, fmt: str, dtype: str, num_draft_tokens: int, options: dict | None = None) -> dict:
+    if draft.get("markov_head_type", "vanilla") != "vanilla":
+        raise DraftsmithError(f"markov_head_type {draft['markov_head_type']!r}: vLLM builds only the vanilla head")
+    cfg = dflash.config_json(draft, target, fmt, dtype, 1)  # the Qwen3 body of the backbone
     cfg.pop("dflash_config")
     cfg.update({
-        "architectures": ["Qwen3DSparkModel"], "block_size": d["block_size"],
-        "target_layer_ids": dflash.target_layer_ids(d), "mask_token_id": d["mask_token_id"],
-        "markov_rank": d["markov_rank"], "markov_head_type": "vanilla",
-        "enable_confidence_head": bool(d["enable_confidence_head"]),
-        "confidence_head_with_markov": bool(d["confidence_head_with_markov"]),
-        "draft_vocab_size": d.get("draft_vocab_size") or d["vocab_size"], "sample_from_anchor": True,
-        "num_anchors": d["num_anchors"], "layer_types": ["full_attention"] * d["num_hidden_layers"],
+        "architectures": ["Qwen3DSparkModel"], "block_size": draft["block_size"],
+        "target_layer_ids": dflash.target_layer_ids(draft), "mask_token_id": draft["mask_token_id"],
+        "markov_rank": draft["markov_rank"], "markov_head_type": "vanilla",
+        "enable_confidence_head": bool(draft["enable_confidence_head"]),
+        "confidence_head_with_markov": bool(draft["confidence_head_with_markov"]),
+        "draft_vocab_size": draft.get("draft_vocab_size") or draft["vocab_size"], "sample_from_anchor": True,
+        "num_anchors": draft["num_anchors"], "layer_types": ["full_attention"] * draft["num_hidden_layers"],
     })
     Vd = cfg["draft_vocab_size"]
     for option, value in (options or {}).items():  # where vLLM reads them
@@ -85,29 +85,20 @@ def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int, op
     return cfg
 
 
-def probe(config: dict, w: dict, d: dict, token: int) -> tuple[dict, dict, dict]:
-    """The constant-proposal probe (export/checks.py): DFlash's one-token draft vocabulary
-    {token} (lm_head [1, H], d2t = [token]) with the Markov projection cut to that one row,
-    so every slot proposes `token`. Returns (config.json, tensors, draft config)."""
-    config, w, d = dflash.probe(config, w, d, token)
-    w = dict(w)
-    w["markov_head.markov_w2.weight"] = w["markov_head.markov_w2.weight"][:1].clone()  # [Vd = 1, r]
-    return config, w, d
-
-
 def describe(manifest: dict) -> list[str]:
-    d = manifest["draft"]
-    target_ids = dflash.target_layer_ids(d)
-    return [f"- {d['num_hidden_layers']} Qwen3-style decoder layer(s) (hidden {d['hidden_size']}, "
-            f"{d['num_attention_heads']} heads / {d['num_key_value_heads']} KV heads, MLP {d['intermediate_size']}) "
-            f"drafting blocks of {d['block_size']} ([anchor, mask x {d['block_size'] - 1}], mask token "
-            f"{d['mask_token_id']}, every slot predicting) in one forward",
-            f"- Markov head: a rank-{d['markov_rank']} transition bias W2 W1[previous token] applied left to right "
+    draft = manifest["draft"]
+    target_ids = dflash.target_layer_ids(draft)
+    return [f"- {draft['num_hidden_layers']} Qwen3-style decoder layer(s) (hidden {draft['hidden_size']}, "
+            f"{draft['num_attention_heads']} heads / {draft['num_key_value_heads']} KV heads, "
+            f"MLP {draft['intermediate_size']}) "
+            f"drafting blocks of {draft['block_size']} ([anchor, mask x {draft['block_size'] - 1}], mask token "
+            f"{draft['mask_token_id']}, every slot predicting) in one forward",
+            f"- Markov head: a rank-{draft['markov_rank']} transition bias W2 W1[previous token] applied left to right "
             "after the backbone pass" + ("; a confidence head estimates each slot's acceptance"
-                                         if d.get("enable_confidence_head") else ""),
+                                         if draft.get("enable_confidence_head") else ""),
             f"- context: `fc` fusing the target's hidden states at output-of-layer ids {target_ids} "
             "(vLLM's `target_layer_ids`)",
-            "- vocabulary: " + (f"{d['draft_vocab_size']:,} of the target's {d['vocab_size']:,} tokens (`d2t`)"
-                                if d.get("draft_vocab_size") else "the target's LM head (not included)")
+            "- vocabulary: " + (f"{draft['draft_vocab_size']:,} of the target's {draft['vocab_size']:,} tokens (`d2t`)"
+                                if draft.get("draft_vocab_size") else "the target's LM head (not included)")
             + "; the token embedding is the target's (not included)",
             "- layout: vLLM `Qwen3DSparkModel` (`--speculative-config '{\"method\": \"dspark\", ...}'`)"]

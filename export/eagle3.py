@@ -1,4 +1,4 @@
-"""The EAGLE-3 exporter: file layouts, config.json, what stays BF16 under Quark, the probe.
+"""The EAGLE-3 exporter: file layouts, config.json, what stays BF16 under Quark.
 
 Two layouts, both read by vLLM 0.32 (vllm/model_executor/models/llama_eagle3.py,
 vllm/transformers_utils/configs/speculators/):
@@ -17,8 +17,6 @@ The target's embedding is never exported: the draft shares it (vLLM then uses th
 """
 
 from __future__ import annotations
-
-import torch
 
 from trainer.drafts.shape import flat_rope
 from trainer.errors import DraftsmithError
@@ -45,7 +43,7 @@ def key_map(fmt: str, names: list[str]) -> dict[str, str]:
     raise DraftsmithError(f"unknown EAGLE-3 export format '{fmt}'; use one of {', '.join(FORMATS)}")
 
 
-def keep_bf16(d: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> dict[str, str]:
+def keep_bf16(draft: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> dict[str, str]:
     """{file/Quark name: vLLM runtime name} of the layers that stay BF16 in an FP8 export.
     The draft layer runs as model.layers.{L_target} (any index: export/quark.py generalizes it)."""
     keep = {**KEEP_BF16, **({} if quantize_fc else KEEP_BF16_UNLESS_ASKED)}
@@ -54,32 +52,32 @@ def keep_bf16(d: dict, quantize_fc: bool = False, quantize_qkv: bool = True) -> 
     return keep
 
 
-def llama_layer_config(d: dict, target, dtype: str) -> dict:
+def llama_layer_config(draft: dict, target, dtype: str) -> dict:
     """The one-layer Llama config of the draft layer, as vLLM builds it (LlamaDecoderLayer fields)."""
     tcfg = target.model.config.get_text_config()
-    rope = flat_rope(d["rope_parameters"])  # one flat dict, whatever the target's layer types
+    rope = flat_rope(draft["rope_parameters"])  # one flat dict, whatever the target's layer types
     return {
         "model_type": "llama",
-        "hidden_size": d["hidden_size"], "intermediate_size": d["intermediate_size"],
-        "num_attention_heads": d["num_attention_heads"], "num_key_value_heads": d["num_key_value_heads"],
-        "head_dim": d["head_dim"], "hidden_act": "silu", "rms_norm_eps": d["rms_norm_eps"],
-        "max_position_embeddings": d["max_position_embeddings"],
+        "hidden_size": draft["hidden_size"], "intermediate_size": draft["intermediate_size"],
+        "num_attention_heads": draft["num_attention_heads"], "num_key_value_heads": draft["num_key_value_heads"],
+        "head_dim": draft["head_dim"], "hidden_act": "silu", "rms_norm_eps": draft["rms_norm_eps"],
+        "max_position_embeddings": draft["max_position_embeddings"],
         "rope_parameters": rope, "rope_theta": rope.get("rope_theta", 10000.0),
         "attention_bias": False, "mlp_bias": False, "num_hidden_layers": 1,
-        "vocab_size": d["vocab_size"], "tie_word_embeddings": False,
+        "vocab_size": draft["vocab_size"], "tie_word_embeddings": False,
         "bos_token_id": tcfg.bos_token_id, "eos_token_id": tcfg.eos_token_id,
         "pad_token_id": getattr(tcfg, "pad_token_id", None), "torch_dtype": dtype, "dtype": dtype,
     }
 
 
-def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int, options: dict | None = None) -> dict:
+def config_json(draft: dict, target, fmt: str, dtype: str, num_draft_tokens: int, options: dict | None = None) -> dict:
     """config.json for the draft config `d` (a trained draft's "draft" section)."""
-    layer = llama_layer_config(d, target, dtype)
-    eagle = {"draft_vocab_size": d["draft_vocab_size"], "target_hidden_size": d["target_hidden_size"],
+    layer = llama_layer_config(draft, target, dtype)
+    eagle = {"draft_vocab_size": draft["draft_vocab_size"], "target_hidden_size": draft["target_hidden_size"],
              # vLLM's convention ("entering layer i" = HF hidden_states[i]), the same as ours.
-             "eagle_aux_hidden_state_layer_ids": list(d["aux_layer_ids"]),
-             "num_aux_hidden_states": len(d["aux_layer_ids"]),  # sizes vLLM's fc input (llama_eagle3.py)
-             "norm_before_residual": bool(d["norm_before_residual"])}
+             "eagle_aux_hidden_state_layer_ids": list(draft["aux_layer_ids"]),
+             "num_aux_hidden_states": len(draft["aux_layer_ids"]),  # sizes vLLM's fc input (llama_eagle3.py)
+             "norm_before_residual": bool(draft["norm_before_residual"])}
     if fmt == "vllm":
         return {"architectures": ["LlamaForCausalLMEagle3"], **layer, **eagle}
     target_arch = list(getattr(target.model.config, "architectures", None) or ["LlamaForCausalLM"])
@@ -96,31 +94,15 @@ def config_json(d: dict, target, fmt: str, dtype: str, num_draft_tokens: int, op
     }
 
 
-def probe(config: dict, w: dict, d: dict, token: int) -> tuple[dict, dict, dict]:
-    """The constant-proposal probe (export/checks.py) on vLLM-native tensors: final norm
-    weight 0 makes every logit 0, so argmax takes draft id 0, and a contiguous vocabulary
-    X..X+Vd-1 with d2t[i] = X maps it to target token X. Returns (config.json, tensors,
-    draft config) of the probe; only the tensors change."""
-    Vd, V = w["d2t"].numel(), w["t2d"].numel()
-    if not 0 <= token <= V - Vd:
-        raise DraftsmithError(f"probe token {token} must be <= V - Vd = {V - Vd} (vocabulary X..X+Vd-1)")
-    w = dict(w)
-    w["norm.weight"] = torch.zeros_like(w["norm.weight"])  # logits == 0 everywhere
-    w["d2t"] = torch.full_like(w["d2t"], token)  # draft id i -> target id token + i
-    t2d = torch.zeros_like(w["t2d"])
-    t2d[token:token + Vd] = True
-    w["t2d"] = t2d
-    return config, w, d
-
-
 def describe(manifest: dict) -> list[str]:
     """Model-card lines that say what this draft is."""
-    d = manifest["draft"]
+    draft = manifest["draft"]
     layout = "vLLM-native `LlamaForCausalLMEagle3`" if manifest["format"] == "vllm" else "speculators"
-    return [f"- one Llama decoder layer (hidden {d['hidden_size']}, {d['num_attention_heads']} heads / "
-            f"{d['num_key_value_heads']} KV heads, MLP {d['intermediate_size']}), `fc` fusing the target's hidden "
-            f"states entering layers {d['aux_layer_ids']} (vLLM's `eagle_aux_hidden_state_layer_ids`)",
-            f"- draft vocabulary {d['draft_vocab_size']:,} of the target's {d['vocab_size']:,} tokens (`d2t`); "
+    return [f"- one Llama decoder layer (hidden {draft['hidden_size']}, {draft['num_attention_heads']} heads / "
+            f"{draft['num_key_value_heads']} KV heads, MLP {draft['intermediate_size']}), "
+            "`fc` fusing the target's hidden "
+            f"states entering layers {draft['aux_layer_ids']} (vLLM's `eagle_aux_hidden_state_layer_ids`)",
+            f"- draft vocabulary {draft['draft_vocab_size']:,} of the target's {draft['vocab_size']:,} tokens (`d2t`); "
             "the token embedding is the target's (not included)",
             f"- layout: {layout}"]
 

@@ -1,13 +1,12 @@
 """Trained draft folder -> a folder vLLM loads with `--speculative-config`, and back.
 
 Generic over algorithms: each has one exporter module under export/, registered in
-`EXPORTERS` under the same name as its draft in trainer.drafts.DRAFTS. An exporter
+`EXPORTERS` under the same name as its draft in trainer.drafts.registry.DRAFTS. An exporter
 provides METHOD (vLLM's speculative method), TITLE, FORMATS, FP8_FORMATS, OPTIONS (proposer
 options it writes into config.json, by vLLM's key), `key_map(fmt, names)` (our names -> the
 file's, one to one; our names are the draft module's state-dict keys, `tensor_names`),
 `config_json(d, target, fmt, dtype, num_draft_tokens, options)`, `keep_bf16(d, quantize_fc,
-quantize_qkv)` (what Quark must leave BF16, with vLLM's runtime names), `probe(...)` (the
-constant-proposal probe) and `describe(manifest)`.
+quantize_qkv)` (what Quark must leave BF16, with vLLM's runtime names) and `describe(manifest)`.
 
 Each export folder also holds draftsmith_export.json (what was exported from what,
 sha256 of every file) and the draft's training report.
@@ -20,17 +19,22 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
-from export import dflash, dspark, eagle3
-from trainer.drafts import build
+from export import dflash, dspark, eagle3, fp8_reload
+from trainer.data.shards import load_manifest
+from trainer.drafts.folder import module_shapes, read_draft
+from trainer.drafts.registry import build, get
 from trainer.errors import DraftsmithError
-from trainer.io import atomic_write_json, sha256_file
+from trainer.io import atomic_save_safetensors, atomic_write_json, sha256_file
 from trainer.layer_ids import LAYER_ID_CONVENTION
+from trainer.speculative import check_num_draft_tokens
 
 EXPORT_MANIFEST = "draftsmith_export.json"
 WEIGHTS = "model.safetensors"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-EXPORTERS = {"eagle3": eagle3, "dflash": dflash, "dspark": dspark}  # algorithm (trainer.drafts.DRAFTS key) -> its exporter
+# algorithm (a key of trainer.drafts.registry.DRAFTS) -> its exporter
+EXPORTERS = {"eagle3": eagle3, "dflash": dflash, "dspark": dspark}
 
 
 def exporter(algorithm: str):
@@ -53,8 +57,6 @@ def rename_strict(state: dict, mapping: dict[str, str], what: str) -> dict:
 def tensor_names(algorithm: str, d: dict) -> list[str]:
     """Our names of a draft's tensors for draft config `d`: the state-dict keys of the module
     it builds (on the meta device). Every one is exported, nothing else is."""
-    from trainer.drafts.folder import module_shapes
-
     return list(module_shapes(algorithm, d))
 
 
@@ -66,8 +68,6 @@ def key_map(algorithm: str, fmt: str, d: dict) -> dict[str, str]:
 def read_draft_dir(path: str | Path) -> tuple[dict, dict]:
     """A recipes/train.py output -> (its config.json, its tensors by our names), checked
     (trainer/drafts/folder.py), and not an export."""
-    from trainer.drafts import read_draft
-
     path = Path(path)
     if (path / EXPORT_MANIFEST).is_file():
         raise DraftsmithError(f"'{path}' is already an export; export the trained draft folder it came from")
@@ -93,8 +93,6 @@ def check_against_target(cfg: dict, target, draft_dir: Path) -> None:
     capture = cfg.get("data", {}).get("capture")
     manifest = Path(capture) / "manifest.json" if capture else None
     if manifest is not None and manifest.is_file():  # the training data's own record, when still on disk
-        from trainer.data.shards import load_manifest
-
         m = load_manifest(capture).manifest
         if not set(d["aux_layer_ids"]) <= set(m["aux_layer_ids"]):
             problems.append(f"capture {capture} holds layer ids {m['aux_layer_ids']}, the draft says it was trained "
@@ -106,18 +104,19 @@ def check_against_target(cfg: dict, target, draft_dir: Path) -> None:
                               f"'{target.name}': {'; '.join(problems)}. Export it with the target it was trained on")
 
 
-def serve_command(target_ref: str, export_dir: str, num_draft_tokens: int, method: str) -> str:
+def serve_command(target_ref: str, export_dir: str, num_draft_tokens: int, method: str,
+                  max_model_len: int | None = None) -> str:
+    """The `vllm serve` line; `max_model_len` where the target needs one named (a LongRoPE target:
+    trainer.families.serve_max_model_len)."""
     spec = json.dumps({"method": method, "model": str(export_dir), "num_speculative_tokens": num_draft_tokens})
-    return f"vllm serve {target_ref} --speculative-config '{spec}'"
+    length = f" --max-model-len {max_model_len}" if max_model_len else ""
+    return f"vllm serve {target_ref}{length} --speculative-config '{spec}'"
 
 
 def check_export_options(algorithm: str, fmt: str, quantize: str, num_draft_tokens: int, d: dict,
                          options: dict) -> None:
     """What an export is asked for must be what the algorithm can write and serve: its formats
     (FP8 ones under quantize=fp8), N within what the draft proposes, options vLLM reads."""
-    from trainer.drafts import get
-    from trainer.speculative import check_num_draft_tokens
-
     ex = exporter(algorithm)
     allowed = ex.FP8_FORMATS if quantize == "fp8" else ex.FORMATS
     if fmt not in allowed:
@@ -134,8 +133,6 @@ def check_export_options(algorithm: str, fmt: str, quantize: str, num_draft_toke
 def write_export(out: Path, cfg: dict, state: dict, target, fmt: str, dtype: str, num_draft_tokens: int,
                  draft_dir: Path, extra: dict | None = None, options: dict | None = None) -> dict:
     """Write config.json + model.safetensors + draftsmith_export.json into `out` (a fresh temp dir)."""
-    from trainer.io import atomic_save_safetensors
-
     ex = exporter(cfg["algorithm"])
     options = dict(options or {})
     check_export_options(cfg["algorithm"], fmt, "none", num_draft_tokens, cfg["draft"], options)
@@ -169,8 +166,6 @@ def write_manifest(out: Path, body: dict) -> dict:
 
 def read_export(path: str | Path) -> tuple[dict, dict, dict]:
     """An export folder -> (draftsmith_export.json, config.json, tensors in the file's names)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not (path / EXPORT_MANIFEST).is_file():
         raise DraftsmithError(f"'{path}' is not a draftsmith export (no {EXPORT_MANIFEST}); "
@@ -210,8 +205,6 @@ def load_export(path: str | Path, target):
     if manifest["target"]["sha256"] != target.content_hash:
         raise DraftsmithError(f"export '{path}' is for {manifest['target']['name']} "
                               f"({manifest['target']['sha256'][:12]}), not {target.name} ({target.content_hash[:12]})")
-    from export import fp8_reload
-
     quant = manifest.get("quantization") or {}
     state, quantized = fp8_reload.dequantize_fp8(state) if quant else (state, set())
     inverse = {v: k for k, v in key_map(manifest["algorithm"], manifest["format"], manifest["draft"]).items()}

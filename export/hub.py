@@ -15,6 +15,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, get_token
+from huggingface_hub.errors import HfHubHTTPError
+
 from export import formats
 from trainer.errors import DraftsmithError
 from trainer.io import sha256_file
@@ -129,8 +132,6 @@ def _reports(root: Path) -> list[dict]:
 
 
 def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None = None) -> str:
-    from huggingface_hub import ModelCard, ModelCardData
-
     target = dict(manifest["target"])
     target["name"] = base_model or target["name"]
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", target["name"]):
@@ -148,7 +149,7 @@ def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None 
     prov = json.loads((root / "provenance.json").read_text()) if (root / "provenance.json").is_file() else {}
     best = reports[0]["best_num_draft_tokens"]["best_n"] if reports else None
     n = best or manifest["num_draft_tokens"]
-    serve = formats.serve_command(target["name"], repo_id, n, manifest["method"])
+    serve = formats.serve_command(target["name"], repo_id, n, manifest["method"], manifest.get("serve_max_model_len"))
     ex = formats.exporter(manifest["algorithm"])
     kind = (f"FP8 ({quant['scheme']}: per-channel FP8 weights, dynamic per-token FP8 activations; "
             f"{', '.join(quant['keep_bf16'])}, norms and the shared embedding in BF16, "
@@ -216,8 +217,6 @@ def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None 
 
 def validate_card(content: str, base_model: str) -> None:
     """Offline checks of the card metadata (the Hub's own validator is an online call)."""
-    from huggingface_hub import ModelCard
-
     parsed = ModelCard(content).data.to_dict()
     problems = []
     if parsed.get("base_model") != base_model:
@@ -243,9 +242,6 @@ def plan_upload(export_dir: str | Path, repo_id: str, base_model: str | None = N
 def upload(plan: UploadPlan, repo_id: str, private: bool = False, exist_ok: bool = False,
            revision: str | None = None, endpoint: str | None = None) -> str:
     """One commit of the planned files + README.md. Returns the commit URL."""
-    from huggingface_hub import CommitOperationAdd, HfApi, get_token
-    from huggingface_hub.errors import HfHubHTTPError
-
     token = get_token()
     if not token:
         raise DraftsmithError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or use --dry-run)")

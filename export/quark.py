@@ -33,6 +33,7 @@ import re
 from pathlib import Path
 
 from trainer.errors import DraftsmithError
+from trainer.io import atomic_write_json
 
 QUARK_VERSION = "0.13"  # pinned in pyproject.toml; file-to-file and the exclude semantics checked against it
 SCHEMES = ("ptpc_fp8",)
@@ -53,7 +54,8 @@ def vllm_exclude(runtime_names: list[str]) -> list[str]:
 
 
 def quantization_scheme(scheme: str):
-    """Quark's QConfig pieces for `scheme`, built from its spec helpers (quark 0.13 names)."""
+    """Quark's QConfig pieces for `scheme`, built from its spec helpers (quark 0.13 names).
+    Quark is imported here, not at the top: its first import compiles an extension (30-70 s)."""
     from quark.torch.quantization.config.config import FP8E4M3PerChannelSpec, QLayerConfig
 
     if scheme != "ptpc_fp8":
@@ -88,8 +90,6 @@ def quantize_fp8(bf16_dir: Path, out_dir: Path, keep_bf16: dict[str, str], schem
     unmatched = [rt for rt in keep_bf16.values() if not any(re.fullmatch(p[3:], rt) for p in qcfg["exclude"])]
     if unmatched:  # the patterns must match what vLLM will call these layers
         raise DraftsmithError(f"the rewritten exclude {qcfg['exclude']} does not match vLLM runtime names {unmatched}")
-    from trainer.io import atomic_write_json
-
     atomic_write_json(cfg_path, cfg)
     return qcfg
 

@@ -4,11 +4,22 @@ one-line error contract (a `DraftsmithError` prints one line and exits 2)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import json
 import sys
+from pathlib import Path
 
-from trainer.config import load_config
+from omegaconf import MISSING
+
+from export import formats
+from trainer.config import NGRAM_DRAFT_TOKENS, load_config
+from trainer.data.chat import resolve_template
+from trainer.data.evalsets import chat_prompt_ids
+from trainer.drafts.folder import load_draft
+from trainer.drafts.registry import get
 from trainer.errors import DraftsmithError
+from trainer.target import DEFAULT_TARGET
 
 CONFIG_HELP = "a YAML under recipes/configs/ (optional: the schema's defaults and key=value overrides work too)"
 OVERRIDES_HELP = "key=value overrides of any config field, e.g. output_dir=runs/x max_length=1024 (they win)"
@@ -29,8 +40,6 @@ def parse_args(schema, argv: list[str] | None, description: str, prog: str | Non
 
 
 def _default(schema, key: str):
-    import dataclasses
-
     for f in dataclasses.fields(schema):
         if f.name == key:
             if f.default is not dataclasses.MISSING:
@@ -46,8 +55,6 @@ def parse_flags(schema, argv: list[str], description: str, flags: dict[str, tupl
     `switches` (flag -> ("key=value" it sets, help)), `repeated` flags (flag -> (key of a dict
     or list field, metavar, help): `--flag K=V` sets key.K for a dict, `--flag X` appends X to
     a list), then `key=value` overrides, which win."""
-    from omegaconf import MISSING
-
     switches, repeated = switches or {}, repeated or {}
     parser = _parser(description, prog)
     for flag, (key, metavar, text) in repeated.items():
@@ -95,12 +102,6 @@ def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int =
     must be among its OPTIONS (DSpark: markov, draft_topk). An export proposes as vLLM serves
     it: the options it wrote into its config.json (recorded in its manifest) apply unless
     `options` names them."""
-    import json
-    from pathlib import Path
-
-    from export import formats
-    from trainer.drafts import get, load_draft
-
     if not Path(path).is_dir():
         raise DraftsmithError(f"draft '{path}' is neither 'ngram', a trained draft folder nor an export")
     if (Path(path) / formats.EXPORT_MANIFEST).is_file():
@@ -134,19 +135,12 @@ def check_options(proposer, options: dict, what: str) -> None:
 def default_num_draft_tokens(n: int | None, proposer) -> int:
     """N as given, else the positions the draft was trained on (its Config.num_positions:
     serve the block you trained), else the n-gram baseline's."""
-    from trainer.config import NGRAM_DRAFT_TOKENS
-
     return n if n is not None else getattr(proposer, "num_positions", None) or NGRAM_DRAFT_TOKENS
 
 
 def draft_record(path: str) -> tuple[dict | None, dict]:
     """(the target record, the data record) a trained draft folder or an export carries: what
     it was trained for and on (the data's chat template among it); (None, {}) for 'ngram'."""
-    import json
-    from pathlib import Path
-
-    from export import formats
-
     p = Path(path)
     for name in (formats.EXPORT_MANIFEST, "config.json"):
         f = p / name
@@ -164,8 +158,6 @@ def target_for(draft: str, given: str | None) -> str:
     """The target a stage loads for `draft`: `given` (--target overrides), else the one the draft
     records (the name it was loaded by: an embedded alias, an HF folder or a .gguf; its sha256 is
     checked when the draft is loaded), else the default target."""
-    from trainer.target import DEFAULT_TARGET
-
     if given:
         return given
     record, _ = draft_record(draft) if draft != "ngram" else (None, {})
@@ -178,9 +170,6 @@ def prompt_ids(target, texts: list[str], draft: str, chat_template: str | None, 
     """Eval prompts as token ids: each text as one user turn in the chat template (given as
     `chat_template` (text or file), else the one the draft's data was prepared with, else the
     target's own), or with `plain` the text as it is (base-model completion prompts)."""
-    from trainer.data.chat import resolve_template
-    from trainer.data.evalsets import chat_prompt_ids
-
     if plain:
         return chat_prompt_ids(target.tokenizer, texts, plain=True)
     template = resolve_template(target.tokenizer, chat_template or draft_record(draft)[1].get("chat_template"),

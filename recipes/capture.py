@@ -12,39 +12,45 @@ from the loss-masked tokens of the captured samples.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoConfig
 
+from export.formats import exporter
 from recipes._common import one_line_errors, parse_args
 from trainer import faults
 from trainer.capture import capture_batch, right_pad, token_budget_batches
 from trainer.config import CaptureConfig, to_yaml
 from trainer.data.prepared import load_prepared
 from trainer.data.shards import (
-    DRAFT_VOCAB,
-    FORMAT,
     MANIFEST,
     bytes_per_token,
     completed_shard,
     pack_samples,
     shard_name,
     store_states,
+    verify_capture,
+    write_manifest,
     write_shard,
 )
-from trainer.data.vocab import build_draft_vocab, coverage, token_counts
+from trainer.data.vocab import token_counts
 from trainer.dist import process_state
+from trainer.drafts.registry import get
 from trainer.errors import DataError, DraftsmithError
-from trainer.io import atomic_save_safetensors, atomic_write_json, claim_output, ensure_dir, write_run_files
-from trainer.layer_ids import LAYER_ID_CONVENTION
-from trainer.target import load_target
+from trainer.io import atomic_write_json, claim_output, ensure_dir, guard_output, write_run_files
+from trainer.target import TargetSource, cache_root, content_hash, load_target, resolve_target, target_hf_dir
+from trainer.vllm.capture import capture_in_vllm
+from trainer.vllm.servable import check_servable
 
 STATE = "capture_state.json"
 
@@ -63,7 +69,8 @@ def _open_output(out: Path, cfg: CaptureConfig, fingerprint: dict) -> None:
                                   "or overwrite=true to start again")
         if previous != fingerprint:
             changed = sorted(k for k in {*previous, *fingerprint} if previous.get(k) != fingerprint.get(k))
-            raise DraftsmithError(f"output_dir '{out}' holds a capture made with other settings ({', '.join(changed)}); "
+            raise DraftsmithError(f"output_dir '{out}' holds a capture made with other settings "
+                                  f"({', '.join(changed)}); "
                                   "use another output_dir or overwrite=true")
         for stale in out.glob(".*.tmp"):  # partial writes of a killed run
             stale.unlink()
@@ -76,8 +83,6 @@ def _open_output(out: Path, cfg: CaptureConfig, fingerprint: dict) -> None:
 def capture_layer_ids(cfg: CaptureConfig, num_layers: int) -> tuple[list[int], dict[str, list[int]]]:
     """(the ids to store, each draft's ids). Explicit `aux_layer_ids` serve every listed draft;
     otherwise each draft's default for this target, stored once as their sorted union."""
-    from trainer.drafts import get
-
     if cfg.aux_layer_ids is not None:
         ids = list(cfg.aux_layer_ids)
         return ids, {name: ids for name in cfg.drafts}
@@ -85,129 +90,58 @@ def capture_layer_ids(cfg: CaptureConfig, num_layers: int) -> tuple[list[int], d
     return sorted({i for ids in per_draft.values() for i in ids}), per_draft
 
 
-def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
-    from export.servable import check_servable
-    from trainer.io import guard_output
-    from trainer.target import resolve_target
+@dataclass
+class Plan:
+    """What this capture stores and where: the layer ids (stored, and each draft's), the shards
+    (k -> its prepared rows), what it must match to resume (fingerprint) and what a token costs."""
 
+    layer_ids: list[int]
+    draft_layer_ids: dict[str, list[int]]
+    samples: int
+    shards: dict[int, range]
+    lengths: list[int]
+    fingerprint: dict
+    bytes_per_token: float
+
+
+def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
     state = process_state()
-    out = guard_output(cfg.output_dir, [cfg.data, resolve_target(cfg.target).path], "capture", cfg.overwrite)
-    for line in check_servable(cfg.target, cfg.drafts, cfg.require_servable, "capture"):  # before any work
-        if state.is_main_process:
-            print(line, file=sys.stderr)
+    # resolve: the target (once), the prepared data
+    source = resolve_target(cfg.target)
+    out = guard_output(cfg.output_dir, [cfg.data, source.path], "capture", cfg.overwrite)
+    warnings = check_servable(source, [exporter(a).METHOD for a in cfg.drafts], cfg.require_servable, "capture")
+    for line in warnings if state.is_main_process else ():  # before any work
+        print(line, file=sys.stderr)
     ds, prepared = load_prepared(cfg.data)
     if cfg.engine == "vllm" and state.num_processes > 1:
         raise DraftsmithError(f"engine=vllm runs its own engines (data_parallel_size={cfg.data_parallel_size}); start "
                               f"it with python, not {state.num_processes} launched processes")
     if cfg.estimate:
-        return estimate(cfg, out, ds)
+        return estimate(cfg, source, out, ds)
     # vLLM runs the target itself: here only its tokenizer, config and head (for the checks) are read
-    target = load_target(cfg.target, cfg.target_dtype, state.device, head_only=cfg.engine == "vllm")
-    if prepared["target_sha256"] != target.content_hash:
-        raise DataError(f"'{cfg.data}' was prepared with target {prepared['target']} ({prepared['target_sha256'][:12]}), "
-                        f"not {target.name} ({target.content_hash[:12]}); re-run prepare with this target")
-    largest = max(max(ids) for b in ds.iter(batch_size=1024) for ids in b["input_ids"])
-    if largest >= target.vocab_size:  # another tokenizer's ids under this summary
-        raise DataError(f"'{cfg.data}' holds token id {largest}, but {target.name}'s vocabulary has {target.vocab_size} "
-                        "ids: it was not tokenized for this target; run `draftsmith prepare` with it")
-    layer_ids, draft_layer_ids = capture_layer_ids(cfg, target.num_layers)
-    target.check_layer_ids(layer_ids)
-    n = min(len(ds), cfg.max_samples or len(ds))
-    fingerprint = {
-        "target_sha256": target.content_hash, "data_summary_sha256": hashlib.sha256(
-            (Path(cfg.data) / "summary.json").read_bytes()).hexdigest(),
-        "aux_layer_ids": layer_ids, "draft_layer_ids": draft_layer_ids, "target_dtype": cfg.target_dtype, "store_dtype": cfg.store_dtype,
-        "samples": n, "samples_per_shard": cfg.samples_per_shard, "max_tokens_per_batch": cfg.max_tokens_per_batch,
-        "draft_vocab_size": cfg.draft_vocab_size, "engine": cfg.engine,
-    }
-    num_shards = math.ceil(n / cfg.samples_per_shard)
-    rows = {k: range(k * cfg.samples_per_shard, min((k + 1) * cfg.samples_per_shard, n)) for k in range(num_shards)}
-    lengths = list(ds.select(range(n))["length"])
-    bpt = bytes_per_token(len(layer_ids), target.hidden_size, cfg.store_dtype)
+    target = load_target(source, cfg.target_dtype, state.device, head_only=cfg.engine == "vllm")
+    # check: the data is this target's, the layers exist, the shards still to write fit
+    check_data(cfg, target, ds, prepared)
+    plan = make_plan(cfg, target, ds)
     if state.is_main_process:
-        # the shards still to write must fit beside what is there: one line before any work otherwise
-        remaining = [k for k in range(num_shards) if not (out / MANIFEST).is_file()
+        remaining = [k for k in plan.shards if not (out / MANIFEST).is_file()
                      and not (out / shard_name(k)).with_suffix(".json").is_file()]  # (verified later, hashed once)
-        check_space(out, sum(lengths[i] for k in remaining for i in rows[k]) * bpt + vocab_bytes(target.vocab_size))
-        _open_output(out, cfg, fingerprint)
+        check_space(out, sum(plan.lengths[i] for k in remaining for i in plan.shards[k]) * plan.bytes_per_token
+                    + vocab_bytes(target.vocab_size))
+        _open_output(out, cfg, plan.fingerprint)
     state.wait_for_everyone()
     done = (out / MANIFEST).is_file()
-
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    workers = 1 if cfg.engine == "vllm" else state.num_processes  # vLLM's engines are its own
-    todo = [] if done else [k for k in range(state.process_index, num_shards, workers) if completed_shard(out, k) is None]
-    total = sum(lengths[i] for k in todo for i in rows[k])
-    batches_run, tokens_done, t0 = 0, 0, time.perf_counter()
-    run_report = {"engine": "hf"}
-    with tqdm(total=total, unit="tok", unit_scale=True, desc=f"capture[{state.process_index}] ({cfg.engine})",
-              disable=not state.is_local_main_process) as bar:
-        if cfg.engine == "vllm" and todo:
-            from export.capture import capture_in_vllm
-            from trainer.target import cache_root
-
-            run_report = capture_in_vllm(target.hf_dir, out, {k: rows[k] for k in todo}, ds, layer_ids,
-                                         target.num_layers, cfg, progress=bar.update,
-                                         vllm_cache=cache_root() / "vllm-cache")
-            tokens_done = run_report["tokens"]
-        for k in todo if cfg.engine == "hf" else ():
-            shard = ds.select(rows[k])
-            ids, masks = shard["input_ids"], shard["loss_mask"]
-            samples: list[dict | None] = [None] * len(ids)
-            for batch in token_budget_batches([len(x) for x in ids], cfg.max_tokens_per_batch):
-                input_ids, attention_mask = right_pad([ids[i] for i in batch], pad)  # [B, T]
-                states = capture_batch(target, input_ids, attention_mask, layer_ids)
-                stored = {k: v.cpu() for k, v in store_states(states["aux_hidden_states"], states["last_hidden_state"],
-                                                              cfg.store_dtype).items()}
-                argmax = states["target_argmax"].cpu()
-                for r, i in enumerate(batch):
-                    T = len(ids[i])
-                    samples[i] = {"input_ids": torch.tensor(ids[i]), "loss_mask": torch.tensor(masks[i]),
-                                  "target_argmax": argmax[r, :T], **{k: v[r, :T] for k, v in stored.items()}}
-                    tokens_done += T
-                    bar.update(T)
-                batches_run += 1
-                faults.maybe_die(faults.CAPTURE_AFTER_BATCHES, batches_run)  # tests: a kill mid-shard
-            write_shard(out, k, pack_samples(samples, list(rows[k])), layer_ids)
+    # produce: this process's shards still to do (all of them for vLLM's engines)
+    workers = 1 if cfg.engine == "vllm" else state.num_processes
+    todo = [] if done else [k for k in range(state.process_index, len(plan.shards), workers)
+                            if completed_shard(out, k) is None]
+    t0 = time.perf_counter()
+    run_report, tokens_done = produce(cfg, target, ds, plan, out, todo, state)
     elapsed = time.perf_counter() - t0
     state.wait_for_everyone()
-
+    # publish: the draft vocabulary and the manifest, once every shard is in
     if state.is_main_process and not done:
-        entries = []
-        for k in range(num_shards):
-            entry = completed_shard(out, k)
-            if entry is None:
-                raise DataError(f"capture '{out}': shard {shard_name(k)} is missing or corrupt after the run")
-            entries.append(entry)
-        counts = sum(token_counts(b["input_ids"], b["loss_mask"], target.vocab_size)
-                     for b in ds.select(range(n)).iter(batch_size=1024))
-        d2t, t2d = build_draft_vocab(counts, min(cfg.draft_vocab_size, target.vocab_size))
-        atomic_save_safetensors(out / DRAFT_VOCAB, {"d2t": d2t, "t2d": t2d, "counts": counts})
-        tokens = sum(e["tokens"] for e in entries)
-        manifest = {
-            "format": FORMAT,
-            "target": {"name": target.name, "path": target.path, "sha256": target.content_hash,
-                       "num_layers": target.num_layers, "hidden_size": target.hidden_size,
-                       "vocab_size": target.vocab_size, "dtype": cfg.target_dtype},
-            "layer_id_convention": LAYER_ID_CONVENTION,
-            "aux_layer_ids": layer_ids,  # the stored columns, in this order
-            "draft_layer_ids": draft_layer_ids,  # the subset each draft algorithm trains on by default
-            "store_dtype": cfg.store_dtype,
-            "engine": {k: v for k, v in run_report.items() if k in ("engine", "version", "engines")},
-            "data": {"path": str(cfg.data), "source": prepared["source"], "regenerated": prepared["regenerated"],
-                     "chat_template_sha256": prepared["chat_template_sha256"],
-                     "chat_template": prepared.get("chat_template")},  # the text: eval of its drafts uses it
-            "samples": n, "tokens": tokens, "loss_tokens": sum(e["loss_tokens"] for e in entries),
-            "bytes_per_token": {
-                "on_disk": sum(e["bytes"] for e in entries) / tokens,
-                # hidden states (L*H + H) in the store dtype (+ float8 scales), int32 id, uint8 mask, int32 argmax
-                "expected": bpt,
-            },
-            "draft_vocab": {"file": DRAFT_VOCAB, "size": int(d2t.numel()), "coverage": coverage(counts, t2d)},
-            "shards": entries,
-        }
-        write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
-                                            "seed": cfg.seed, "world_size": state.num_processes}, argv, stage="capture")
-        atomic_write_json(out / MANIFEST, manifest)  # last: its presence marks the capture complete
+        publish(cfg, target, ds, prepared, plan, out, run_report, argv, state.num_processes)
     state.wait_for_everyone()
     manifest = json.loads((out / MANIFEST).read_text())
     seconds = run_report.get("capture_s", elapsed)  # vLLM: without its engine start
@@ -217,6 +151,97 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
     if state.is_main_process and tokens_done and not done:
         record_speed(target.content_hash, cfg, tokens_done * workers / seconds if seconds > 0 else 0.0)
     return manifest
+
+
+def check_data(cfg: CaptureConfig, target, ds, prepared: dict) -> None:
+    """The prepared data was made for this target, with ids its vocabulary has."""
+    if prepared["target_sha256"] != target.content_hash:
+        raise DataError(f"'{cfg.data}' was prepared with target {prepared['target']} "
+                        f"({prepared['target_sha256'][:12]}), "
+                        f"not {target.name} ({target.content_hash[:12]}); re-run prepare with this target")
+    largest = max(max(ids) for b in ds.iter(batch_size=1024) for ids in b["input_ids"])
+    if largest >= target.vocab_size:  # another tokenizer's ids under this summary
+        raise DataError(f"'{cfg.data}' holds token id {largest}, but {target.name}'s vocabulary has "
+                        f"{target.vocab_size} "
+                        "ids: it was not tokenized for this target; run `draftsmith prepare` with it")
+
+
+def make_plan(cfg: CaptureConfig, target, ds) -> Plan:
+    layer_ids, draft_layer_ids = capture_layer_ids(cfg, target.num_layers)
+    target.check_layer_ids(layer_ids)
+    n = min(len(ds), cfg.max_samples or len(ds))
+    fingerprint = {
+        "target_sha256": target.content_hash, "data_summary_sha256": hashlib.sha256(
+            (Path(cfg.data) / "summary.json").read_bytes()).hexdigest(),
+        "aux_layer_ids": layer_ids, "draft_layer_ids": draft_layer_ids, "target_dtype": cfg.target_dtype,
+        "store_dtype": cfg.store_dtype, "samples": n, "samples_per_shard": cfg.samples_per_shard,
+        "max_tokens_per_batch": cfg.max_tokens_per_batch, "draft_vocab_size": cfg.draft_vocab_size,
+        "engine": cfg.engine,
+    }
+    S = cfg.samples_per_shard
+    shards = {k: range(k * S, min((k + 1) * S, n)) for k in range(math.ceil(n / S))}
+    return Plan(layer_ids, draft_layer_ids, n, shards, list(ds.select(range(n))["length"]), fingerprint,
+                bytes_per_token(len(layer_ids), target.hidden_size, cfg.store_dtype))
+
+
+def produce(cfg: CaptureConfig, target, ds, plan: Plan, out: Path, todo: list[int], state) -> tuple[dict, int]:
+    """Shards `todo` written into `out`, by vLLM's engines or by the target here, batch by batch
+    (token-budget batches, longest first: the same batches on every run). Returns (the run's
+    report, tokens captured)."""
+    total = sum(plan.lengths[i] for k in todo for i in plan.shards[k])
+    with tqdm(total=total, unit="tok", unit_scale=True, desc=f"capture[{state.process_index}] ({cfg.engine})",
+              disable=not state.is_local_main_process) as bar:
+        if cfg.engine == "vllm":
+            if not todo:
+                return {"engine": "vllm"}, 0
+            report = capture_in_vllm(target.hf_dir, out, {k: plan.shards[k] for k in todo}, ds, plan.layer_ids,
+                                     target.num_layers, cfg, progress=bar.update,
+                                     vllm_cache=cache_root() / "vllm-cache")
+            return report, report["tokens"]
+        pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+        batches_run, tokens = 0, 0
+        for k in todo:
+            shard = ds.select(plan.shards[k])
+            ids, masks = shard["input_ids"], shard["loss_mask"]
+            samples: list[dict | None] = [None] * len(ids)
+            for batch in token_budget_batches([len(x) for x in ids], cfg.max_tokens_per_batch):
+                input_ids, attention_mask = right_pad([ids[i] for i in batch], pad)  # [B, T]
+                states = capture_batch(target, input_ids, attention_mask, plan.layer_ids)
+                stored = {k: v.cpu() for k, v in store_states(states["aux_hidden_states"], states["last_hidden_state"],
+                                                              cfg.store_dtype).items()}
+                argmax = states["target_argmax"].cpu()
+                for r, i in enumerate(batch):
+                    T = len(ids[i])
+                    samples[i] = {"input_ids": torch.tensor(ids[i]), "loss_mask": torch.tensor(masks[i]),
+                                  "target_argmax": argmax[r, :T], **{k: v[r, :T] for k, v in stored.items()}}
+                    tokens += T
+                    bar.update(T)
+                batches_run += 1
+                faults.maybe_die(faults.CAPTURE_AFTER_BATCHES, batches_run)  # tests: a kill mid-shard
+            write_shard(out, k, pack_samples(samples, list(plan.shards[k])), plan.layer_ids)
+    return {"engine": "hf"}, tokens
+
+
+def publish(cfg: CaptureConfig, target, ds, prepared: dict, plan: Plan, out: Path, run_report: dict, argv,
+            world_size: int) -> None:
+    """Every shard checked complete, then the run files, the draft vocabulary and the manifest (last)."""
+    entries = []
+    for k in plan.shards:
+        entry = completed_shard(out, k)
+        if entry is None:
+            raise DataError(f"capture '{out}': shard {shard_name(k)} is missing or corrupt after the run")
+        entries.append(entry)
+    counts = sum(token_counts(b["input_ids"], b["loss_mask"], target.vocab_size)
+                 for b in ds.select(range(plan.samples)).iter(batch_size=1024))
+    write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
+                                        "seed": cfg.seed, "world_size": world_size}, argv, stage="capture")
+    write_manifest(out, target=target, target_dtype=cfg.target_dtype, layer_ids=plan.layer_ids,
+                   draft_layer_ids=plan.draft_layer_ids, store_dtype=cfg.store_dtype,
+                   engine={k: v for k, v in run_report.items() if k in ("engine", "version", "engines")},
+                   data={"path": str(cfg.data), "source": prepared["source"], "regenerated": prepared["regenerated"],
+                         "chat_template_sha256": prepared["chat_template_sha256"],
+                         "chat_template": prepared.get("chat_template")},  # the text: eval of its drafts uses it
+                   samples=plan.samples, entries=entries, counts=counts, draft_vocab_size=cfg.draft_vocab_size)
 
 
 def vocab_bytes(vocab_size: int) -> int:
@@ -247,8 +272,6 @@ def _speed_key(target_sha256: str, cfg: CaptureConfig) -> str:
 
 
 def record_speed(target_sha256: str, cfg: CaptureConfig, tokens_per_s: float) -> None:
-    from trainer.target import cache_root
-
     f = cache_root() / SPEED
     try:
         known = json.loads(f.read_text()) if f.is_file() else {}
@@ -262,15 +285,10 @@ def record_speed(target_sha256: str, cfg: CaptureConfig, tokens_per_s: float) ->
         pass  # an estimate without a measured speed says so
 
 
-def estimate(cfg: CaptureConfig, out: Path, ds) -> dict:
+def estimate(cfg: CaptureConfig, source: TargetSource, out: Path, ds) -> dict:
     """What the capture will cost, before anything runs: bytes per token and on disk for these
     samples and layers, the time at the last tokens/s measured for this target, engine and dtype
     on this machine, and whether it fits on the output's filesystem. Loads the target's config only."""
-    from transformers import AutoConfig
-
-    from trainer.target import cache_root, content_hash, resolve_target, target_hf_dir
-
-    source = resolve_target(cfg.target)
     digest = content_hash(source)
     t = AutoConfig.from_pretrained(target_hf_dir(source, digest)).get_text_config()
     layer_ids, _ = capture_layer_ids(cfg, t.num_hidden_layers)
@@ -323,6 +341,18 @@ def format_summary(m: dict) -> str:
     elif run:
         lines.append(f"  throughput {run['tokens_per_s']:,.0f} tokens/s (this process)")
     return "\n".join(lines)
+
+
+@one_line_errors
+def inspect_main(argv: list[str]) -> None:
+    """`draftsmith inspect-capture DIR`: verify a capture and print its summary."""
+    ap = argparse.ArgumentParser(prog="draftsmith inspect-capture",
+                                 description="Verify a capture against its manifest (every shard's size, sha256, "
+                                             "tensors and layer ids; the draft vocabulary) and print its summary.")
+    ap.add_argument("capture_dir", help="the output_dir of `draftsmith capture`")
+    info = verify_capture(ap.parse_args(argv).capture_dir)
+    print(format_summary(info.manifest))
+    print(f"  all {len(info.manifest['shards'])} shard(s) match their sha256")
 
 
 @one_line_errors

@@ -8,72 +8,47 @@
     draftsmith demo    [key=value ...]
     draftsmith inspect-capture runs/demo/capture      (verify shard hashes, print the summary)
 
-Training runs under `accelerate launch recipes/train.py` (a later stage).
+Training runs under `accelerate launch recipes/train.py` (or `python recipes/train.py`): it needs a launcher.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import sys
 
-from recipes._common import one_line_errors
-
+# command -> (what it does, the module whose `main` runs it, that function's name). Each stage's
+# module is imported when its command runs, so `draftsmith --help` never loads torch.
 COMMANDS = {
-    "prepare": "tokenize chats with the target's template and an assistant loss mask",
-    "capture": "capture multi-layer hidden states of the frozen target",
-    "eval": "measure a draft with the in-tree speculative decoder (τ, acceptance, speedup, best N)",
-    "export": "write a trained draft as a vLLM draft folder, BF16 or FP8 (AMD Quark), FP8 gated on τ",
-    "upload": "publish an export to the Hugging Face Hub with a model card of its measured numbers",
-    "demo": "prepare -> capture -> train -> export BF16 + FP8 -> eval, on the embedded SmolLM2 target",
-    "inspect-capture": "verify a capture's shards against its manifest and print its summary",
+    "prepare": ("tokenize chats with the target's template and an assistant loss mask", "recipes.prepare", "main"),
+    "capture": ("capture multi-layer hidden states of the frozen target", "recipes.capture", "main"),
+    "eval": ("measure a draft with the in-tree speculative decoder (τ, acceptance, speedup, best N)",
+             "recipes.eval", "main"),
+    "export": ("write a trained draft as a vLLM draft folder, BF16 or FP8 (AMD Quark), FP8 gated on τ",
+               "recipes.export_draft", "main"),
+    "upload": ("publish an export to the Hugging Face Hub with a model card of its measured numbers",
+               "recipes.upload", "main"),
+    "demo": ("prepare -> capture -> train -> export BF16 + FP8 -> eval, on the embedded SmolLM2 target",
+             "recipes.demo", "main"),
+    "inspect-capture": ("verify a capture's shards against its manifest and print its summary",
+                        "recipes.capture", "inspect_main"),
 }
-
-
-@one_line_errors
-def _inspect_capture(argv: list[str]) -> None:
-    import argparse
-
-    from recipes.capture import format_summary
-    from trainer.data.shards import verify_capture
-
-    ap = argparse.ArgumentParser(prog="draftsmith inspect-capture",
-                                 description="Verify a capture against its manifest (every shard's size, sha256, "
-                                             "tensors and layer ids; the draft vocabulary) and print its summary.")
-    ap.add_argument("capture_dir", help="the output_dir of `draftsmith capture`")
-    argv = [ap.parse_args(argv).capture_dir]
-    info = verify_capture(argv[0])
-    print(format_summary(info.manifest))
-    print(f"  all {len(info.manifest['shards'])} shard(s) match their sha256")
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        print("\ncommands:\n" + "\n".join(f"  {k:<16} {v}" for k, v in COMMANDS.items()))
+        print("\ncommands:\n" + "\n".join(f"  {k:<16} {v[0]}" for k, v in COMMANDS.items()))
         raise SystemExit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
-    if command == "prepare":
-        from recipes.prepare import main as run
-    elif command == "capture":
-        from recipes.capture import main as run
-    elif command == "eval":
-        from recipes.eval import main as run
-    elif command == "export":
-        from recipes.export import main as run
-    elif command == "upload":
-        from recipes.upload import main as run
-    elif command == "demo":
-        from recipes.demo import main as run
-    elif command == "inspect-capture":
-        run = _inspect_capture
-    else:
-        import difflib
-
+    if command not in COMMANDS:
         close = difflib.get_close_matches(command, list(COMMANDS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else f"; commands: {', '.join(COMMANDS)}"
         print(f"error: unknown command '{command}'{hint}", file=sys.stderr)
         raise SystemExit(2)
-    run(rest)
+    _, module, function = COMMANDS[command]
+    getattr(importlib.import_module(module), function)(rest)
 
 
 if __name__ == "__main__":

@@ -12,57 +12,73 @@ An earlier demo's output_dir is never replaced unless overwrite=true is given.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
+from export.formats import exporter
 from recipes import capture, prepare, train
 from recipes import eval as eval_recipe
-from recipes import export as export_recipe
+from recipes import export_draft as export_recipe
 from recipes._common import one_line_errors, parse_args
 from trainer.config import DemoConfig, EvalConfig, ExportConfig
+from trainer.data.sources import resolve_source, source_entries
+from trainer.drafts.registry import get
 from trainer.errors import DraftsmithError
+from trainer.io import guard_output
+from trainer.target import resolve_target
+
+
+def stage_configs(cfg: DemoConfig, out: Path) -> tuple[dict, dict[str, ExportConfig]]:
+    """The demo's stage configs, assembled from its sections (each stage gets the demo's target,
+    algorithm and paths under `out`; the draft section is the algorithm's from
+    `draft_by_algorithm`, with `train.draft.*` on top) and checked as each stage checks its
+    own, before any work. Returns ({prepare, capture, train}, {bf16, fp8} export configs)."""
+    p, c, t = cfg.prepare, cfg.capture, cfg.train
+    p.target = c.target = t.target = cfg.target
+    p.output_dir = str(out / "prepared")
+    c.data, c.output_dir = p.output_dir, str(out / "capture")
+    t.data, t.output_dir, t.algorithm = c.output_dir, str(out / cfg.algorithm), cfg.algorithm
+    given = dataclasses.asdict(t.draft) if dataclasses.is_dataclass(t.draft) else t.draft
+    t.draft = {**cfg.draft_by_algorithm.get(cfg.algorithm, {}), **given}  # train.draft.* wins
+    if cfg.algorithm not in c.drafts:
+        c.drafts = [*c.drafts, cfg.algorithm]
+    p.overwrite = c.overwrite = t.overwrite = cfg.overwrite or p.overwrite
+    for section in (p, c, t):
+        section.validate()
+    n = cfg.num_draft_tokens
+    exports = {"bf16": ExportConfig(draft=t.output_dir, output_dir=str(out / "export-bf16"), target=cfg.target,
+                                    num_draft_tokens=n, overwrite=cfg.overwrite),
+               "fp8": ExportConfig(draft=t.output_dir, output_dir=str(out / "export-fp8"), target=cfg.target,
+                                   num_draft_tokens=n, quantize="fp8", quantize_fc=cfg.quantize_fc,
+                                   gate_dataset=cfg.eval_dataset, gate_prompts=cfg.gate_prompts,
+                                   gate_max_new_tokens=cfg.eval_max_new_tokens, overwrite=cfg.overwrite)}
+    return {"prepare": p, "capture": c, "train": t}, exports
 
 
 def run(cfg: DemoConfig, argv: list[str] | None = None) -> dict:
-    from recipes.prepare import source_entries
-    from trainer.data.sources import resolve_source
-    from trainer.io import guard_output
-    from trainer.target import resolve_target
-
+    # check, before any work: the output folder, and every stage's config
     out = guard_output(cfg.output_dir, [resolve_target(cfg.target).path,
                                         *(resolve_source(name) for name, _ in source_entries(cfg.prepare.source))],
                        "demo", cfg.overwrite)
-    overwrite = cfg.overwrite
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise DraftsmithError(f"demo output_dir '{out}' holds an earlier run; pass overwrite=true to replace it "
                               "(make demo ARGS=overwrite=true) or output_dir=another/folder")
-    cfg.prepare.target = cfg.capture.target = cfg.train.target = cfg.target
-    cfg.prepare.output_dir = str(out / "prepared")
-    cfg.capture.data = cfg.prepare.output_dir
-    cfg.capture.output_dir = cfg.train.data = str(out / "capture")
-    cfg.train.output_dir = str(out / cfg.algorithm)
-    cfg.prepare.overwrite = cfg.capture.overwrite = cfg.train.overwrite = overwrite or cfg.prepare.overwrite
-    n = cfg.num_draft_tokens
-    exports = {"bf16": ExportConfig(draft=cfg.train.output_dir, output_dir=str(out / "export-bf16"),
-                                    target=cfg.target, num_draft_tokens=n, overwrite=overwrite),
-               "fp8": ExportConfig(draft=cfg.train.output_dir, output_dir=str(out / "export-fp8"),
-                                   target=cfg.target, num_draft_tokens=n, quantize="fp8",
-                                   quantize_fc=cfg.quantize_fc, gate_dataset=cfg.eval_dataset,
-                                   gate_prompts=cfg.gate_prompts, gate_max_new_tokens=cfg.eval_max_new_tokens,
-                                   overwrite=overwrite)}
+    stages, exports = stage_configs(cfg, out)
 
     t0 = time.perf_counter()
-    print(f"[1/6] prepare: {cfg.prepare.max_records} records of '{cfg.prepare.source}' -> {cfg.prepare.output_dir}")
-    prepared = prepare.run(cfg.prepare, argv)
+    p, c, t = stages["prepare"], stages["capture"], stages["train"]
+    print(f"[1/6] prepare: {p.max_records} records of '{p.source}' -> {p.output_dir}")
+    prepared = prepare.run(p, argv)
     print(prepare.format_summary(prepared))
 
-    print(f"[2/6] capture: {cfg.target} -> {cfg.capture.output_dir}")
-    manifest = capture.run(cfg.capture, argv)
+    print(f"[2/6] capture: {cfg.target} -> {c.output_dir}")
+    manifest = capture.run(c, argv)
     print(capture.format_summary(manifest))
 
-    print(f"[3/6] train {cfg.algorithm}: {cfg.train.max_steps} steps -> {cfg.train.output_dir}")
-    trained = train.run(cfg.train, argv)
+    print(f"[3/6] train {cfg.algorithm}: {t.max_steps} steps -> {t.output_dir}")
+    trained = train.run(t, argv)
     print(train.format_report(trained))
 
     results = {}
@@ -73,8 +89,6 @@ def run(cfg: DemoConfig, argv: list[str] | None = None) -> dict:
 
     n = results["bf16"]["export"]["num_draft_tokens"]  # as given, or the positions the draft trained
     print(f"[6/6] evaluate both exports in-tree on {cfg.eval_dataset} ({cfg.eval_prompts} prompts, N={n})")
-    from trainer.drafts import get
-
     ablations = list(get(cfg.algorithm).Proposer.ABLATIONS)  # what the algorithm's parts add, on the BF16 export
     for name, ecfg in exports.items():
         ev = EvalConfig(draft=ecfg.output_dir, target=cfg.target, dataset=cfg.eval_dataset,
@@ -93,9 +107,9 @@ def format_table(results: dict, trained: dict) -> str:
     ev0 = results["bf16"]["eval"]
     head = (f"{'draft':<8}{'τ':>7}" + "".join(f"{'acc@' + str(k):>8}" for k in range(1, n + 1))
             + f"{'tok/s':>8}{'speedup':>9}{'best N':>8}{'weights':>11}")
-    from export.formats import exporter
 
-    rows = [f"{exporter(trained['algorithm']).TITLE}, {trained['steps']} training steps on {trained.get('tokens', 0):,.0f} "
+    rows = [f"{exporter(trained['algorithm']).TITLE}, {trained['steps']} training steps on "
+            f"{trained.get('tokens', 0):,.0f} "
             f"tokens; in-tree eval on {ev0['dataset']} ({ev0['prompts']} prompts, greedy, N={n}); acc@k = conditional "
             "acceptance at draft position k",
             head, "-" * len(head)]

@@ -10,13 +10,15 @@ from the draft's measured per-round cost.
     python recipes/eval.py --config recipes/configs/smollm2-135m/eval.yaml
 
 Without --num-draft-tokens, a trained draft is measured at the positions it was trained on
-(EAGLE-3: its TTT steps; DFlash: its block's B-1; DSpark: its block's B).
+(EAGLE-3: its TTT steps; DFlash: its block's K-1; DSpark: its block's K).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+from matplotlib.figure import Figure
 
 from export import formats
 from recipes._common import (
@@ -29,8 +31,13 @@ from recipes._common import (
     target_for,
 )
 from trainer.config import EvalConfig, to_yaml
+from trainer.data.chat import read_template
+from trainer.data.evalsets import load_prompts
 from trainer.errors import DraftsmithError
-from trainer.io import atomic_write_json, ensure_dir, write_run_files
+from trainer.io import atomic_write_json, ensure_dir, guard_output, write_run_files
+from trainer.metrics import CostModel, best_num_draft_tokens
+from trainer.speculative import NGramDraft, Sampling, measure
+from trainer.target import load_target, resolve_target
 
 FLAGS = {"--target": ("target", "the target: an embedded alias, an HF model folder or a .gguf file"),
          "--draft": ("draft", "'ngram', a trained draft folder (recipes/train.py) or an export folder"),
@@ -56,8 +63,6 @@ REPEATED = {"--draft-option": ("draft_options", "KEY=VALUE", "an option of the d
 
 def make_draft(cfg: EvalConfig, target, **overrides):
     """The proposer under test (with `overrides` on top of cfg.draft_options) and its name."""
-    from trainer.speculative import NGramDraft
-
     options = {**cfg.draft_options, **overrides}
     if cfg.draft == "ngram":
         check_options(NGramDraft, options, "the n-gram baseline")
@@ -68,15 +73,13 @@ def make_draft(cfg: EvalConfig, target, **overrides):
 
 
 def run(cfg: EvalConfig, argv=None) -> dict:
-    from trainer.data.chat import read_template
-    from trainer.data.evalsets import load_prompts
-    from trainer.metrics import CostModel, best_num_draft_tokens
-    from trainer.speculative import Sampling, measure
-    from trainer.target import load_target
-
-    read_template(cfg.chat_template, "eval --chat-template")  # a given template, checked before any work
-    out = check_output_dir(cfg)  # before the measurement, not after it
-    target = load_target(target_for(cfg.draft, cfg.target))
+    # resolve: the target (once: the one the draft records, unless --target names another)
+    source = resolve_target(target_for(cfg.draft, cfg.target))
+    # check, before the measurement: a given template, the report folder
+    read_template(cfg.chat_template, "eval --chat-template")
+    out = check_output_dir(cfg, source)
+    # produce: both decodes of the same prompts (and the ablations), the cost model, the best N
+    target = load_target(source)
     draft, draft_name = make_draft(cfg, target)
     unknown = sorted(set(cfg.ablations) - set(draft.ABLATIONS))
     if unknown:
@@ -117,6 +120,7 @@ def run(cfg: EvalConfig, argv=None) -> dict:
         "best_num_draft_tokens": best,
         **({"ablations": ablations} if ablations else {}),
     }
+    # publish: the report, its plot and run files (recorded in the export they measure, when inside it)
     ensure_dir(out, "output_dir")
     atomic_write_json(out / "report.json", report)
     plot(report, out / "acceptance.png")
@@ -130,18 +134,14 @@ def run(cfg: EvalConfig, argv=None) -> dict:
     return report
 
 
-def check_output_dir(cfg: EvalConfig) -> Path:
+def check_output_dir(cfg: EvalConfig, source) -> Path:
     """The report folder must be writable, never an input of the run (it may sit inside the
     export it measures, which records the report), only ever an eval folder (eval replaces its
     own report by default, nothing else), and, unless overwrite, hold no earlier report."""
-    from recipes._common import target_for
-    from trainer.io import guard_output
-    from trainer.target import resolve_target
-
     draft = None if cfg.draft == "ngram" else cfg.draft
     dataset = cfg.dataset.split(":", 1)[1] if cfg.dataset.startswith("jsonl:") else None
     template = cfg.chat_template if cfg.chat_template and "{" not in cfg.chat_template else None
-    guard_output(cfg.output_dir, [draft, dataset, template, resolve_target(target_for(cfg.draft, cfg.target)).path],
+    guard_output(cfg.output_dir, [draft, dataset, template, source.path],
                  "eval", overwrite=True, allow_inside=[draft] if draft else [])
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
@@ -155,12 +155,8 @@ def check_output_dir(cfg: EvalConfig) -> Path:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig = Figure(figsize=(10, 3.8))  # no pyplot: nothing global, no display backend
+    a, b = fig.subplots(1, 2)
     pos = list(range(1, report["num_draft_tokens"] + 1))
     a.bar([p - 0.2 for p in pos], report["conditional_acceptance"], width=0.4, label="conditional")
     a.bar([p + 0.2 for p in pos], report["cumulative_acceptance"], width=0.4, label="cumulative")
@@ -180,7 +176,6 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
-    plt.close(fig)
     tmp.replace(path)
 
 

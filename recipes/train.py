@@ -1,4 +1,4 @@
-"""Train a draft (any registered algorithm: trainer.drafts.DRAFTS) on a capture, or on the target in the loop.
+"""Train a draft (any registered algorithm: trainer.drafts.registry.DRAFTS) on a capture, or on the target in the loop.
 
     python recipes/train.py --config recipes/configs/smollm2-135m/eagle3.yaml
     accelerate launch recipes/train.py --config recipes/configs/smollm2-135m/eagle3.yaml
@@ -20,25 +20,39 @@ import dataclasses
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin, InitProcessGroupKwargs
+from accelerate.utils import ProjectConfiguration, set_seed
 from safetensors.torch import load_file
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
 
+from export.formats import exporter
 from recipes._common import one_line_errors, parse_args
 from trainer import faults
 from trainer.config import TrainConfig, to_yaml
 from trainer.data.collate import CapturedSamples, PreparedSamples, collate, dequantize_states
+from trainer.data.prepared import load_prepared
 from trainer.data.shards import DRAFT_VOCAB, verify_capture
+from trainer.data.vocab import build_draft_vocab, token_counts
 from trainer.dist import check_world_size, flag
-from trainer.drafts import TrainStep, build, get, save_draft
+from trainer.drafts.folder import save_draft
+from trainer.drafts.registry import TrainStep, build, get
+from trainer.drafts.shape import DEFAULT_DRAFT_VOCAB_SIZE
 from trainer.errors import DraftsmithError
-from trainer.io import atomic_write_json, write_run_files
+from trainer.families import served_max_model_len
+from trainer.io import atomic_write_json, claim_output, ensure_dir, guard_output, write_run_files
 from trainer.metrics import simulated_tau
-from trainer.target import load_target
+from trainer.online.run import open_online
+from trainer.online.sources import StreamedSamples, epoch_plan
+from trainer.target import load_target, resolve_target
+from trainer.vllm.servable import check_servable
 
 
 class Progress:
@@ -74,9 +88,6 @@ def check_launch_env(cfg: TrainConfig) -> None:
 
 
 def make_accelerator(cfg: TrainConfig, out: Path):
-    from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin, InitProcessGroupKwargs
-    from accelerate.utils import ProjectConfiguration
-
     check_launch_env(cfg)
     deepspeed = flag("ACCELERATE_USE_DEEPSPEED")
     on_cpu = flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
@@ -88,14 +99,15 @@ def make_accelerator(cfg: TrainConfig, out: Path):
                                  gradient_clipping=cfg.max_grad_norm or None)
         plugin.deepspeed_config["gradient_clipping"] = float(cfg.max_grad_norm)  # 0 = off (not accelerate's 1.0)
     try:
-        import tensorboard  # noqa: F401
+        import tensorboard  # noqa: F401  (optional: the dev extra installs it; logs go nowhere without it)
 
         trackers = "tensorboard"
     except ImportError:
         trackers = None
     accelerator = Accelerator(
         # DeepSpeed picks its own accelerator (its CPU one here); accelerate's cpu=True would bypass it.
-        cpu=on_cpu and not deepspeed, mixed_precision=precision, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        cpu=on_cpu and not deepspeed, mixed_precision=precision,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         deepspeed_plugin=plugin,
         # The schedule counts optimizer updates: step it on sync_gradients ourselves. accelerate's
         # default steps it num_processes times per update (accelerate/scheduler.py), which ends a
@@ -131,25 +143,24 @@ def check_effective(cfg: TrainConfig, accelerator, model) -> dict:
 def load_data(cfg: TrainConfig, target):
     """(dataset, the draft's aux layer ids, d2t, t2d, token counts, data description), validated against the target.
     The draft's ids: draft.aux_layer_ids, else the capture's choice for this algorithm, else
-    the algorithm's default; a capture holding more layers serves each draft its subset."""
+    the algorithm's default; a capture holding more layers serves each draft its subset.
+    Online, the dataset is the prepared samples (their states come from the run's source) and
+    the vocabulary the one a capture of them would have built."""
     algo = get(cfg.algorithm)
-    if cfg.online:
-        from trainer.data.prepared import load_prepared
-        from trainer.data.vocab import build_draft_vocab, token_counts
-
+    if cfg.online.enabled:
         ds, summary = load_prepared(cfg.data)
         if summary["target_sha256"] != target.content_hash:
-            raise DraftsmithError(f"'{cfg.data}' was prepared with {summary['target']}, not {target.name}")
-        from trainer.drafts.shape import DEFAULT_DRAFT_VOCAB_SIZE
-
-        counts = sum(token_counts(b["input_ids"], b["loss_mask"], target.vocab_size) for b in ds.iter(1024))
-        # the vocabulary a capture would have built: the draft's size, else the capture's default
-        d2t, t2d = build_draft_vocab(counts, min(cfg.draft.draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE,
-                                                 target.vocab_size))
+            raise DraftsmithError(f"'{cfg.data}' was prepared with {summary['target']}, not {target.name}; prepare it "
+                                  "with this target")
+        n = min(len(ds), cfg.max_samples or len(ds))  # the vocabulary of the samples the run trains on
+        counts = sum(token_counts(b["input_ids"], b["loss_mask"], target.vocab_size)
+                     for b in ds.select(range(n)).iter(1024))
+        size = cfg.online.draft_vocab_size or cfg.draft.draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE
+        d2t, t2d = build_draft_vocab(counts, min(size, target.vocab_size))
         ids = list(cfg.draft.aux_layer_ids or algo.default_layer_ids(target.num_layers))
         target.check_layer_ids(ids)
         return PreparedSamples(ds, cfg.max_length), ids, d2t, t2d, counts, {
-            "prepared": str(cfg.data), "chat_template": summary.get("chat_template")}
+            "prepared": str(cfg.data), "online": cfg.online.engine, "chat_template": summary.get("chat_template")}
     info = verify_capture(cfg.data)  # manifest complete, shards intact and as described (hashed once here)
     m = info.manifest
     t = m["target"]
@@ -168,53 +179,50 @@ def load_data(cfg: TrainConfig, target):
 
 
 def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
-    import shutil
-
-    from trainer.io import claim_output, ensure_dir, guard_output
-    from trainer.target import resolve_target
-
-    out = guard_output(cfg.output_dir, [cfg.data, resolve_target(cfg.target).path], "train",
-                       cfg.overwrite and cfg.resume is None)
-    if out.exists() and cfg.resume is None and any(out.iterdir()):
-        if not cfg.overwrite:
-            raise DraftsmithError(f"output_dir '{out}' exists; pass resume=latest to continue or overwrite=true")
+    # resolve and check, before any work: the output folder, what resume needs, servability
+    source = resolve_target(cfg.target)
+    out = guard_output(cfg.output_dir, [cfg.data, source.path], "train", cfg.overwrite and cfg.resume is None)
+    if out.exists() and cfg.resume is None and any(out.iterdir()) and not cfg.overwrite:
+        raise DraftsmithError(f"output_dir '{out}' exists; pass resume=latest to continue or overwrite=true")
     if cfg.resume is not None and not out.is_dir():
         raise DraftsmithError(f"resume={cfg.resume} but output_dir '{out}' does not exist; drop resume to start fresh")
-    from export.servable import check_servable
-
-    servable_warnings = check_servable(cfg.target, [cfg.algorithm], cfg.require_servable, "train")  # before any work
+    servable_warnings = check_servable(source, [exporter(cfg.algorithm).METHOD], cfg.require_servable, "train")
     created = not out.exists() or (cfg.overwrite and cfg.resume is None)
     accelerator = make_accelerator(cfg, out)
     if accelerator.is_main_process:
         for line in servable_warnings:
             print(line, file=sys.stderr)
-    if cfg.overwrite and cfg.resume is None and accelerator.is_main_process and out.exists():
-        shutil.rmtree(out)
-    if accelerator.is_main_process:
+        if cfg.overwrite and cfg.resume is None and out.exists():
+            shutil.rmtree(out)
         ensure_dir(out, "output_dir")
         claim_output(out, "train")  # overwrite=true may replace what a killed run leaves
     accelerator.wait_for_everyone()
+    # produce (the loop) and publish (the trained draft folder)
     try:
-        return _train(cfg, argv, accelerator, out)
+        return _train(cfg, argv, accelerator, out, source)
     except BaseException:
         if created and accelerator.is_main_process and not complete_checkpoints(out):
             shutil.rmtree(out, ignore_errors=True)  # a failed run leaves no folder behind (checkpoints stay)
         raise
 
 
-def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
-    from accelerate.utils import set_seed
-    from torch.utils.data import DataLoader
-    from transformers import get_cosine_schedule_with_warmup
-
+def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
     set_seed(cfg.seed)
     algo = get(cfg.algorithm)
 
     # The frozen target: its embedding feeds the draft; its head gives the training targets.
-    # Offline, only the embedding, final norm and LM head are read: the decoder layers are never loaded.
-    target = load_target(cfg.target, "float32" if accelerator.device.type == "cpu" else "bfloat16", accelerator.device,
-                         head_only=not cfg.online)
+    # Only the embedding, final norm and LM head are read (the decoder layers are never loaded)
+    # unless this run's own processes make the states (online.engine=hf).
+    target = load_target(source, "float32" if accelerator.device.type == "cpu" else "bfloat16", accelerator.device,
+                         head_only=cfg.online.engine != "hf")
     dataset, aux_ids, d2t, t2d, counts, data_desc = load_data(cfg, target)
+    online = None
+    if cfg.online.enabled:  # this rank's source of states: the target here, or vLLM producers
+        engine_len = served_max_model_len(target.model.config.get_text_config(), cfg.max_length + 1)
+        online = open_online(cfg.online, target=target, prepared=dataset, layer_ids=aux_ids,
+                             max_model_len=engine_len, out=out, rank=accelerator.process_index,
+                             world=accelerator.num_processes, barrier=accelerator.wait_for_everyone)
+        dataset = StreamedSamples(dataset, online.source)
     if cfg.max_samples is not None and cfg.max_samples < len(dataset):  # a data budget: the first N samples
         dataset = torch.utils.data.Subset(dataset, range(cfg.max_samples))
         data_desc["max_samples"] = cfg.max_samples
@@ -223,8 +231,6 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
     draft_cfg = algo.fill_from_data(draft_cfg, counts, target.tokenizer.all_special_ids)
     Vd = draft_cfg.draft_vocab_size
     if Vd is not None and Vd != d2t.numel():  # a smaller draft vocabulary than the capture's
-        from trainer.data.vocab import build_draft_vocab
-
         d2t, t2d = build_draft_vocab(counts, Vd)
     draft = build(cfg.algorithm, draft_cfg, target)
     draft.set_vocab(d2t, t2d)
@@ -247,58 +253,13 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
     if accelerator.is_main_process:
         accelerator.init_trackers("draftsmith", config={k: v for k, v in dataclasses.asdict(cfg).items()
                                                          if isinstance(v, (int, float, str, bool))})
-
-    window = _Window(draft_cfg.num_positions, accelerator.device)
-    history = []
-    bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step",
-               disable=not accelerator.is_local_main_process)
-    t0, tokens = time.perf_counter(), 0
-    while progress.step < total_steps:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(progress.epoch)
-        epoch_loader = accelerator.skip_first_batches(loader, progress.micro_in_epoch) if progress.micro_in_epoch \
-            else loader
-        for batch in epoch_loader:
-            progress.micro_in_epoch += 1
-            batch = dequantize_states(batch)  # a float8 capture's states, on the device
-            if cfg.online:
-                from trainer.capture import capture_batch
-
-                batch.update(capture_batch(target, batch["input_ids"], batch["attention_mask"], aux_ids))
-            with accelerator.accumulate(model):
-                labels = algo.target_labels(target, batch, draft)  # no grad
-                with accelerator.autocast():
-                    metrics = model(batch, labels)
-                accelerator.backward(metrics.loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)  # DeepSpeed: its own
-                optimizer.step()
-                if accelerator.sync_gradients:  # once per optimizer update (see make_accelerator)
-                    scheduler.step()
-                optimizer.zero_grad()
-            window.add(metrics, batch["attention_mask"].sum())
-            if not accelerator.sync_gradients:
-                continue
-            progress.step += 1
-            bar.update(1)
-            if progress.step % cfg.log_every == 0 or progress.step == total_steps:
-                stats = window.reduce(accelerator)  # tokens: all processes, since the last log line
-                tokens += stats.pop("tokens")
-                stats.update(step=progress.step, lr=scheduler.get_last_lr()[0],
-                             tokens_per_s=tokens / (time.perf_counter() - t0))
-                history.append(stats)
-                accelerator.log({k: v for k, v in stats.items() if not isinstance(v, list)}, step=progress.step)
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau']:.2f}",
-                                tok_s=f"{stats['tokens_per_s']:.0f}")
-            if progress.step % cfg.save_every == 0:
-                save_checkpoint(accelerator, out, progress.step // cfg.save_every, cfg.keep_last)
-            faults.maybe_die(faults.TRAIN_AFTER_STEPS, progress.step)  # tests: a kill between checkpoints
-            if progress.step >= total_steps:
-                break
-        else:
-            progress.epoch += 1
-            progress.micro_in_epoch = 0
-    bar.close()
+    t0 = time.perf_counter()
+    try:
+        history, tokens = _loop(cfg, accelerator, algo, target, draft, model, optimizer, scheduler, loader, progress,
+                                total_steps, out, online, draft_cfg.num_positions)
+    finally:
+        if online is not None:
+            online.close()
     accelerator.wait_for_everyone()
     report = {"steps": progress.step, "history": history, "final": history[-1] if history else {},
               "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
@@ -321,6 +282,67 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path) -> dict:
     return report
 
 
+def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, scheduler, loader, progress,
+          total_steps: int, out: Path, online, positions: int) -> tuple[list[dict], float]:
+    """The training loop, from where `progress` stands: (the history logged, the tokens trained on)."""
+    window = _Window(positions, accelerator.device)
+    history = []
+    bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step",
+               disable=not accelerator.is_local_main_process)
+    t0, tokens = time.perf_counter(), 0
+    while progress.step < total_steps:
+        if online is not None:  # the epoch's plan: the samples this rank takes, from where a resumed run stands
+            plan, start = epoch_plan(loader, progress.epoch, progress.micro_in_epoch)
+            online.source.begin(plan, start)
+        elif hasattr(loader, "set_epoch"):
+            loader.set_epoch(progress.epoch)
+        epoch_loader = accelerator.skip_first_batches(loader, progress.micro_in_epoch) if progress.micro_in_epoch \
+            else loader
+        for batch in epoch_loader:
+            progress.micro_in_epoch += 1
+            batch = dequantize_states(batch)  # float8 states, on the device
+            with accelerator.accumulate(model):
+                labels = algo.target_labels(target, batch, draft)  # no grad
+                with accelerator.autocast():
+                    metrics = model(batch, labels)
+                accelerator.backward(metrics.loss)
+                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)  # DeepSpeed: its own
+                optimizer.step()
+                if accelerator.sync_gradients:  # once per optimizer update (see make_accelerator)
+                    scheduler.step()
+                optimizer.zero_grad()
+            window.add(metrics, batch["attention_mask"].sum())
+            if not accelerator.sync_gradients:
+                continue
+            progress.step += 1
+            bar.update(1)
+            if progress.step % cfg.log_every == 0 or progress.step == total_steps:
+                stats = window.reduce(accelerator)  # tokens: all processes, since the last log line
+                tokens += stats.pop("tokens")
+                elapsed = time.perf_counter() - t0
+                stats.update(step=progress.step, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens / elapsed)
+                if online is not None:  # which side waits: the trainer for states, or the producer on a full buffer
+                    if hasattr(online.source, "refresh"):
+                        online.source.refresh()
+                    stats["online"] = online.source.stats.line(elapsed)
+                history.append(stats)
+                accelerator.log({k: v for k, v in stats.items() if isinstance(v, (int, float))}, step=progress.step)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau']:.2f}",
+                                tok_s=f"{stats['tokens_per_s']:.0f}",
+                                **({"online": stats["online"]["bound"]} if online is not None else {}))
+            if progress.step % cfg.save_every == 0:
+                save_checkpoint(accelerator, out, progress.step // cfg.save_every, cfg.keep_last)
+            faults.maybe_die(faults.TRAIN_AFTER_STEPS, progress.step)  # tests: a kill between checkpoints
+            if progress.step >= total_steps:
+                break
+        else:
+            progress.epoch += 1
+            progress.micro_in_epoch = 0
+    bar.close()
+    return history, tokens
+
+
 def complete_checkpoints(out: Path) -> list[Path]:
     """checkpoints/checkpoint_<k>, oldest first. Only complete ones carry that name: a
     checkpoint is written as .checkpoint_<k>.partial and renamed when every file is in."""
@@ -332,8 +354,6 @@ def save_checkpoint(accelerator, out: Path, index: int, keep_last: int) -> None:
     """accelerate's save_state (model, optimizer, scheduler, RNG, loop position) into a staging
     folder, published as checkpoints/checkpoint_<index> by one rename once all ranks are done;
     a kill at any moment leaves the newest complete checkpoint as `latest`. Keeps `keep_last`."""
-    import shutil
-
     root = out / "checkpoints"
     staging, final = root / f".checkpoint_{index}.partial", root / f"checkpoint_{index}"
     if accelerator.is_main_process:
@@ -367,8 +387,9 @@ def _checkpoint_dir(out: Path, resume: str) -> str:
 
 class _Window:
     """Sums since the last log line, kept on the device: [loss, micro-batches, tokens,
-    correct per TTT step, counted per TTT step]. The host reads them only when logging,
-    so the loop has no sync per micro-batch."""
+    correct per draft position, counted per draft position] (the K positions the algorithm
+    trains: StepMetrics). The host reads them only when logging, so the loop has no sync per
+    micro-batch."""
 
     def __init__(self, k: int, device):
         self.k, self.device = k, device

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from export import hub
 from recipes._common import one_line_errors
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
-    from export import hub
-
     ap = argparse.ArgumentParser(prog="draftsmith upload", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("export_dir", help="the output folder of `draftsmith export` (with eval/report.json)")

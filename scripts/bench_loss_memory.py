@@ -28,7 +28,7 @@ def one_step(algorithm: str, chunk: int, hidden: int, vocab: int, tokens: int, a
     import torch
     from torch import nn
 
-    from trainer.drafts import get
+    from trainer.drafts.registry import get
 
     torch.manual_seed(0)
     algo = get(algorithm)

@@ -113,16 +113,16 @@ def train_peer(capture: Path, out: Path, n: int) -> Path:
     return ckpt
 
 
-def measure_vllm(draft: Path, out: Path, prompts: dict, max_new: int, method_dir: bool) -> dict:
+def measure_vllm(draft: Path, out: Path, prompts: dict, max_new: int) -> dict:
     """τ per dataset in vLLM (N = 3)."""
-    from export import checks
     from trainer.target import load_target
+    from trainer.vllm import checks
 
     if out.is_file():
         return json.loads(out.read_text())
     target = load_target("smollm2-135m-instruct", head_only=True)
     r = checks.run_vllm(target.hf_dir, {"groups": prompts}, out.with_suffix(".vllm.json"), draft=str(draft),
-                        num_speculative_tokens=3, max_new_tokens=max_new, method="eagle3" if method_dir else None)
+                        num_speculative_tokens=3, max_new_tokens=max_new, method="eagle3")
     res = {ds: {"tau": g["tau"], "counts": {k: g[k] for k in ("num_drafts", "num_accepted_tokens",
                                                               "accepted_per_position")}}
            for ds, g in r["spec_by_group"].items()}
@@ -197,14 +197,14 @@ def main() -> None:
             for trainer in trainers:
                 d = out / name / f"{trainer}-{budget}"
                 if trainer == "speculators":
-                    tau = measure_vllm(train_peer(caps[name], d, n), d / "tau.json", prompts, args.max_new_tokens, True)
+                    tau = measure_vllm(train_peer(caps[name], d, n), d / "tau.json", prompts, args.max_new_tokens)
                 elif trainer == "eagle3":
                     train_ours(caps[name], d / "draft", "eagle3", n)
                     if not (d / "export" / "draftsmith_export.json").is_file():
                         run([str(REPO / ".venv" / "bin" / "draftsmith"), "export", "--draft",
                              str(d / "draft"), "--output-dir", str(d / "export"), "--num-draft-tokens", "3",
                              "--overwrite"], f"export {d}")
-                    tau = measure_vllm(d / "export", d / "tau.json", prompts, args.max_new_tokens, False)
+                    tau = measure_vllm(d / "export", d / "tau.json", prompts, args.max_new_tokens)
                 else:
                     train_ours(caps[name], d / "draft", trainer, n)
                     tau = measure_in_tree(d / "draft", d / "tau.json", prompts, args.max_new_tokens, 7)

@@ -37,12 +37,12 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
 
-    from export.regenerate import regenerate_in_vllm, requests_for, work_dir
     from trainer.config import RegenerateConfig
     from trainer.data.chat import BadRecord, normalize, render, resolve_template
     from trainer.data.regenerate import regenerate
     from trainer.data.sources import read_chats
     from trainer.target import cache_root, load_target
+    from trainer.vllm.regenerate import regenerate_in_vllm, requests_for, work_dir
 
     t0 = time.perf_counter()
     target = load_target(args.target, args.dtype)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.drafts import get
+from trainer.drafts.registry import get
 
 eagle3 = get("eagle3")  # the draft contract (trainer/drafts/__init__.py)
 REPO = Path(__file__).resolve().parent.parent
@@ -140,7 +140,8 @@ def export_for_peer(capture: str, out: Path, max_length: int, limit: int | None 
     for i in [*range(n), 0]:
         s = dequantize_states(reader[i])  # a float8 capture's states in bfloat16, as training sees them
         T = min(s["input_ids"].numel(), max_length)
-        states = torch.cat([s["aux_hidden_states"][:T].view(T, len(ids), H), s["last_hidden_state"][:T].view(T, 1, H)], 1)
+        aux, last = s["aux_hidden_states"][:T].view(T, len(ids), H), s["last_hidden_state"][:T].view(T, 1, H)
+        states = torch.cat([aux, last], 1)
         save_file({"hidden_states": states.contiguous(), "token_ids": s["input_ids"][:T].long()},
                   out / "hidden_states" / f"hs_{len(rows['seq_len'])}.safetensors")
         rows["input_ids"].append(s["input_ids"][:T].long().tolist())
@@ -186,10 +187,13 @@ def bench_peer(capture: str, repeats: int, threads: int, ttt_steps: int, max_len
             p = peer_run(Path(tmp) / "data", verifier, ids, ttt_steps, cfg.learning_rate, max_length, threads)
             runs["speculators"].append(p)
             for name, x in (("draftsmith", r), ("speculators", p)):
-                print(f"  {name:<12} {int(x['tokens']):7d} tokens in {x['seconds']:6.1f} s = {x['tokens'] / x['seconds']:7.0f} "
+                print(f"  {name:<12} {int(x['tokens']):7d} tokens in {x['seconds']:6.1f} s = "
+                      f"{x['tokens'] / x['seconds']:7.0f} "
                       f"tokens/s  peak RSS {x['peak_rss_mib']:6.0f} MiB", flush=True)
-    print(f"\nEAGLE-3 (1 layer, TTT {ttt_steps}, Vd {desc['draft_vocab_size']}, AdamW, fp32, {threads} threads) on {capture}: "
-          f"{n} samples ({desc['train_tokens']} tokens, cut to {max_length}), one epoch, batch 1, {repeats} alternating runs each; "
+    print(f"\nEAGLE-3 (1 layer, TTT {ttt_steps}, Vd {desc['draft_vocab_size']}, AdamW, fp32, {threads} threads) "
+          f"on {capture}: "
+          f"{n} samples ({desc['train_tokens']} tokens, cut to {max_length}), one epoch, batch 1, "
+          f"{repeats} alternating runs each; "
           "tokens = the tokens of the samples trained on")
     med = {k: statistics.median(x["tokens"] / x["seconds"] for x in v) for k, v in runs.items()}
     rss = {k: max(x["peak_rss_mib"] for x in v) for k, v in runs.items()}
@@ -206,7 +210,8 @@ def bench_8b(steps: int, K: int, T: int) -> None:
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    cfg = eagle3.Config(ttt_steps=K, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+    cfg = eagle3.Config(ttt_steps=K, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                        num_key_value_heads=8,
                        head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, target_hidden_size=4096,
                        vocab_size=128256, draft_vocab_size=32000, aux_layer_ids=[2, 16, 29])

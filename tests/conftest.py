@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,19 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Under `pytest -n N` (make test runs two workers on a 2-core machine) each worker computes with
+# one thread, and the vLLM engines it starts bind their one thread to its own core: two torch
+# processes with two threads each on two cores slow each other about tenfold.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    _cores = sorted(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[int(_WORKER.removeprefix("gw")) % len(_cores)])
+    torch.set_num_threads(1)
+
 CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
@@ -140,24 +152,43 @@ def splice_prepared(prepared: Path, rows: dict) -> None:
     (prepared / "summary.json").write_text(json.dumps(summary))
 
 
-def vllm_build(target, export_dir: Path, work: Path, prompt: list[int]):
-    """vLLM's own draft class built from an export (export/runners/vllm_pieces.py), every weight
-    loaded by vLLM's loader, its fc (and a block draft's forward) run on the target's states over
-    `prompt`. Returns (report, vLLM's tensors, the aux states given). Asserts what any family's
-    export must give: every exported tensor a vLLM parameter, nothing unfilled but what vLLM
-    shares from the target, the aux layer ids vLLM derives equal to the draft's."""
-    from export import checks
+def require_vllm() -> None:
+    """Skip a test without a vLLM environment, unless DRAFTSMITH_REQUIRE_VLLM=1 (.ci/run sets it):
+    then its absence is an error, never a skip that hides a failure."""
+    from trainer.vllm.env import vllm_python
 
-    cfg = json.loads((export_dir / "draftsmith_export.json").read_text())["draft"]
-    aux = target.forward(torch.tensor([prompt]), aux_layer_ids=cfg["aux_layer_ids"]).aux_hidden_states[0]
-    S = len(prompt) - 1
-    B = cfg.get("block_size", 4)
-    block = [prompt[S]] + [cfg.get("mask_token_id") or prompt[S]] * (B - 1)
-    inputs = {"aux": aux[:S], "positions": torch.arange(S), "block_ids": torch.tensor(block),
-              "block_positions": S + torch.arange(B), "prev": torch.tensor((prompt * B)[:B])}
-    report, got = checks.run_vllm_pieces(target.hf_dir, export_dir, inputs, work / f"{export_dir.name}-pieces.json",
-                                         cache_root=work / "vllm-cache")
-    assert checks.missing_in_vllm(report["export_tensors"], report["parameters"]) == [], export_dir
-    assert set(report["unfilled"]) <= {"lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"}
-    assert report["derived"]["aux_layer_ids"] == cfg["aux_layer_ids"]
-    return report, got, aux[:S]
+    if vllm_python() is None:
+        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
+            raise RuntimeError("DRAFTSMITH_REQUIRE_VLLM=1 but no vLLM env: run scripts/setup_vllm.sh")
+        pytest.skip("no vLLM environment (scripts/setup_vllm.sh)")
+
+
+def vllm_build_many(exports: list, work: Path, prompt: list[int]) -> list:
+    """vLLM's own draft class built from each export (target, export_dir) in one vLLM process
+    (trainer/vllm/runners/vllm_pieces.py), every weight loaded by vLLM's loader, its fc (and a
+    block draft's forward) run on the target's states over `prompt`. Returns (report, vLLM's
+    tensors, the aux states given) per export. Asserts what any family's export must give:
+    every exported tensor a vLLM parameter, nothing unfilled but what vLLM shares from the
+    target, the aux layer ids vLLM derives equal to the draft's."""
+    from trainer.vllm import checks
+
+    jobs, given = [], []
+    for target, export_dir in exports:
+        cfg = json.loads((export_dir / "draftsmith_export.json").read_text())["draft"]
+        aux = target.forward(torch.tensor([prompt]), aux_layer_ids=cfg["aux_layer_ids"]).aux_hidden_states[0]
+        S = len(prompt) - 1
+        K = cfg.get("block_size", 4)  # the block (EAGLE-3 has none: its fc alone is compared)
+        block = [prompt[S]] + [cfg.get("mask_token_id") or prompt[S]] * (K - 1)
+        inputs = {"aux": aux[:S], "positions": torch.arange(S), "block_ids": torch.tensor(block),
+                  "block_positions": S + torch.arange(K), "prev": torch.tensor((prompt * K)[:K])}
+        jobs.append({"target": target.hf_dir, "draft": export_dir, "inputs": inputs,
+                     "out": work / f"{export_dir.name}-pieces.json"})
+        given.append((cfg, aux[:S]))
+    runs = checks.run_vllm_pieces_many(jobs)
+    out = []
+    for (_, export_dir), (cfg, aux), (report, got) in zip(exports, given, runs):
+        assert checks.missing_in_vllm(report["export_tensors"], report["parameters"]) == [], export_dir
+        assert set(report["unfilled"]) <= {"lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"}
+        assert report["derived"]["aux_layer_ids"] == cfg["aux_layer_ids"]
+        out.append((report, got, aux))
+    return out

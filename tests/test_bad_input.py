@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from recipes import capture, cli, prepare, train
 from recipes import eval as eval_recipe
-from recipes import export as export_recipe
+from recipes import export_draft as export_recipe
 from tests.conftest import GOOD_CHATS, REPO, write_jsonl
 from trainer import faults
 from trainer.config import TrainConfig, load_config
@@ -152,7 +152,8 @@ CAPTURE_DAMAGE = {
     "truncated_shard_manifest_updated": ("is not readable safetensors", lambda c: _truncate_and_rehash(c)),
     "no_draft_vocab": ("draft_vocab.safetensors is missing", lambda c: (c / "draft_vocab.safetensors").unlink()),
     "manifest_not_json": ("is not valid JSON", lambda c: (c / "manifest.json").write_text("{")),
-    "manifest_incomplete": ("missing shards[0].sha256", lambda c: _edit_manifest(c, lambda m: m["shards"][0].pop("sha256"))),
+    "manifest_incomplete": ("missing shards[0].sha256",
+                            lambda c: _edit_manifest(c, lambda m: m["shards"][0].pop("sha256"))),
     "manifest_other_ids": ("the manifest was edited",
                            lambda c: _edit_manifest(c, lambda m: m.update(aux_layer_ids=[0, 2, 4]))),
 }
@@ -291,7 +292,7 @@ def test_every_subcommand_has_help(command, capsys):
     assert f"usage: draftsmith {command}" in out
     if command in ("eval", "export"):  # every flag is described
         from recipes.eval import FLAGS as EVAL
-        from recipes.export import FLAGS as EXPORT
+        from recipes.export_draft import FLAGS as EXPORT
 
         for flag, (_key, text) in (EVAL if command == "eval" else EXPORT).items():
             assert flag in out and text.split()[0] in out, flag

@@ -36,7 +36,8 @@ def _shard_hashes(out):
 def test_shards_hold_the_targets_states(tmp_path, prepared, tiny_target_dir, tiny_target):
     m = capture.run(_cfg(prepared, tmp_path / "cap", tiny_target_dir, store_dtype="float32"))
     assert m["samples"] == 12 and len(m["shards"]) == 3
-    assert m["aux_layer_ids"] == [1, 2, 3] and m["draft_layer_ids"] == {"eagle3": [1, 2, 3]}  # vLLM's (2, L//2, L-3) = [2, 2, 1] is not servable for L=4
+    # vLLM's (2, L//2, L-3) = [2, 2, 1] is not servable for L=4
+    assert m["aux_layer_ids"] == [1, 2, 3] and m["draft_layer_ids"] == {"eagle3": [1, 2, 3]}
     assert m["layer_id_convention"] == "entering-layer"
     reader = CaptureReader(tmp_path / "cap")
     assert len(reader) == 12
@@ -164,7 +165,8 @@ def test_float8_rows_round_to_e4m3_with_their_own_scale():
     s = store_states(aux, last, "float8_e4m3")
     assert s["aux_hidden_states"].dtype == torch.float8_e4m3fn and s["aux_scales"].shape == (6, 3)
     assert s["last_scales"].shape == (6, 1)
-    for x, q, scale in ((aux, s["aux_hidden_states"], s["aux_scales"]), (last, s["last_hidden_state"], s["last_scales"])):
+    for x, q, scale in ((aux, s["aux_hidden_states"], s["aux_scales"]),
+                        (last, s["last_hidden_state"], s["last_scales"])):
         back = dequantize(q, scale, torch.float32)
         bound = torch.maximum(x.abs() * 2**-4, scale.repeat_interleave(H, -1) * 2**-9)
         assert ((back - x).abs() <= bound).all()
@@ -208,7 +210,8 @@ def test_a_float8_capture_halves_bfloat16_and_trains_on_its_dequantized_states(t
     r32 = train.run(load_config(TrainConfig, REPO / "recipes" / "configs" / "tiny" / "eagle3.yaml", [
         f"data={tmp_path / 'float32'}", f"target={tiny_target_dir}", f"output_dir={tmp_path / 'd32'}",
         "max_steps=2", "log_every=1"]))
-    assert r["history"][0]["loss"] == pytest.approx(r32["history"][0]["loss"], rel=0.05)  # the same batch, ~the same loss
+    # the same batch, about the same loss
+    assert r["history"][0]["loss"] == pytest.approx(r32["history"][0]["loss"], rel=0.05)
 
 
 def test_estimate_before_anything_runs_and_a_capture_that_cannot_fit_is_refused(tmp_path, prepared, tiny_target_dir,

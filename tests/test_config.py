@@ -72,7 +72,8 @@ def test_cross_field_check():
 
 
 @pytest.mark.parametrize("main, argv, expect", [
-    (prepare.main, ["output_dir=x", "max_lenght=5"], "error: override: unknown key 'max_lenght' for PrepareConfig; did you mean 'max_length'?"),
+    (prepare.main, ["output_dir=x", "max_lenght=5"],
+     "error: override: unknown key 'max_lenght' for PrepareConfig; did you mean 'max_length'?"),
     (prepare.main, ["output_dir=x", "num_proc=two"], "error: override: key 'num_proc'"),
     (capture.main, ["--config", "no/such.yaml"], "error: config file 'no/such.yaml' not found"),
     (capture.main, [], "error: required key(s) data, output_dir not set"),
@@ -90,6 +91,7 @@ def test_console_script_reports_config_errors(tmp_path):
     r = subprocess.run([str(exe), "capture", "data=a", f"output_dir={tmp_path}/o", "store_dtyp=bf16"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert r.stderr.strip() == "error: override: unknown key 'store_dtyp' for CaptureConfig; did you mean 'store_dtype'?"
+    want = "error: override: unknown key 'store_dtyp' for CaptureConfig; did you mean 'store_dtype'?"
+    assert r.stderr.strip() == want
     r = subprocess.run([str(exe), "captur"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "did you mean 'capture'" in r.stderr

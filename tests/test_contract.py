@@ -12,12 +12,11 @@ from omegaconf import OmegaConf
 
 from export import formats
 from tests.conftest import REPO
-from trainer.drafts import DRAFTS, build, get
+from trainer.drafts.registry import DRAFTS, build, get
 
 ALGORITHMS = sorted(DRAFTS)
 CONTRACT = ("Config", "default_layer_ids", "Draft", "fill_from_data", "target_labels", "training_step", "Proposer")
-EXPORTER = ("METHOD", "TITLE", "FORMATS", "FP8_FORMATS", "OPTIONS", "key_map", "config_json", "keep_bf16", "probe",
-            "describe")
+EXPORTER = ("METHOD", "TITLE", "FORMATS", "FP8_FORMATS", "OPTIONS", "key_map", "config_json", "keep_bf16", "describe")
 
 
 def tiny_config(algorithm, target_config, data_vocab_size=None, **extra):

@@ -13,7 +13,8 @@ import trainer.speculative as spec
 from recipes import train
 from tests.conftest import REPO, make_tiny_model, make_tiny_tokenizer
 from trainer.config import TrainConfig, load_config
-from trainer.drafts import build, dflash
+from trainer.drafts import dflash
+from trainer.drafts.registry import build
 from trainer.speculative import Sampling, generate
 from trainer.target import Target
 
@@ -77,15 +78,15 @@ def test_packed_training_blocks_equal_one_block_at_a_time():
     d = tiny_draft(t).double()
     t.model.double()
     seq = PROMPTS[1] + PROMPTS[0]
-    T, Bk = len(seq), d.config.block_size
+    T, K = len(seq), d.config.block_size
     ids = torch.tensor([seq])
     anchors, valid = torch.tensor([[3, 7, 10]]), torch.ones(1, 3, dtype=torch.bool)
     ctx = d.context(_context(t, d, seq))
     kv = d.context_kv(ctx, torch.arange(T)[None])
-    block_ids, pos, allowed = dflash.block_inputs(ids, anchors, valid, T, Bk, d.config.mask_token_id)
-    packed = d.logits(d.blocks(block_ids, pos, kv, allowed)).view(3, Bk, -1)[:, 1:]
+    block_ids, pos, allowed = dflash.block_inputs(ids, anchors, valid, T, K, d.config.mask_token_id)
+    packed = d.logits(d.blocks(block_ids, pos, kv, allowed)).view(3, K, -1)[:, 1:]
     for j, a in enumerate([3, 7, 10]):
-        torch.testing.assert_close(packed[j], _block_logits(t, d, seq, a, Bk - 1), msg=f"anchor {a}")
+        torch.testing.assert_close(packed[j], _block_logits(t, d, seq, a, K - 1), msg=f"anchor {a}")
 
 
 @pytest.mark.parametrize("draft_vocab_size", [None, 96])
@@ -162,7 +163,7 @@ def trained(tmp_path_factory, tiny_target_dir, tiny_target):
 def test_a_trained_draft_accepts_in_decoding_what_it_learned(trained, tiny_target):
     """Labels shifted by a slot, block positions off by one or the wrong layers all give high
     training accuracy and τ ≈ 1 in decoding; here decoding must keep what training measured."""
-    from trainer.drafts import load_draft
+    from trainer.drafts.folder import load_draft
 
     out, report = trained
     cfg = json.loads((out / "config.json").read_text())
@@ -179,14 +180,15 @@ def test_bf16_export_is_vllms_dflash_layout_and_reloads(trained, tmp_path, tiny_
     from safetensors.torch import load_file
 
     from export import formats
-    from recipes import export as export_recipe
+    from recipes import export_draft as export_recipe
 
     out, _ = trained
     export_recipe.main(["--draft", str(out), "--target", str(tiny_target_dir), "--output-dir", str(tmp_path / "e"),
                         "--num-draft-tokens", "3"])
     cfg = json.loads((tmp_path / "e" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["dflash_config"] == {"mask_token_id": json.loads((out / "config.json").read_text())["draft"]["mask_token_id"],
+    mask_token_id = json.loads((out / "config.json").read_text())["draft"]["mask_token_id"]
+    assert cfg["dflash_config"] == {"mask_token_id": mask_token_id,
                                     "target_layer_ids": [0, 1, 2]}  # output-of-layer: vLLM reads i + 1 = IDS
     assert "eagle_aux_hidden_state_layer_ids" not in cfg  # vLLM would read it instead, without the +1
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 3 and cfg["num_hidden_layers"] == 2
@@ -196,7 +198,8 @@ def test_bf16_export_is_vllms_dflash_layout_and_reloads(trained, tmp_path, tiny_
     assert "lm_head.weight" not in written and "embed_tokens.weight" not in written  # the target's
     assert written["layers.1.self_attn.k_norm.weight"].dtype == torch.bfloat16
     layer = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-             "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+             "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
+             "mlp.down_proj")
     vllm_names = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {  # qwen3_dflash.py's, before its model. prefix
         f"layers.{i}.{n}.weight" for i in range(2) for n in layer}
     assert set(written) == vllm_names
@@ -214,12 +217,13 @@ def test_bf16_export_is_vllms_dflash_layout_and_reloads(trained, tmp_path, tiny_
 def test_missing_weights_are_found_by_name():
     """vLLM's DFlash loader leaves an unfilled parameter at its init without a word: the
     check maps export names to vLLM's module paths (fused q/k/v and gate/up) and names it."""
-    from export import checks
+    from trainer.vllm import checks
 
     export = ["fc.weight", "norm.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
               "layers.0.self_attn.v_proj.weight", "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "t2d"]
     loaded = [{"name": n} for n in ("model.fc.weight", "model.norm.weight", "model.hidden_norm.weight",
-                                    "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight",
+                                    "model.layers.0.self_attn.qkv_proj.weight",
+                                    "model.layers.0.mlp.gate_up_proj.weight",
                                     "model.embed_tokens.weight", "lm_head.weight",
                                     "model.layers.0.self_attn.qkv_proj.weight_scale")]
     assert checks.missing_in_vllm(export, loaded) == ["model.hidden_norm.weight"]
@@ -241,7 +245,7 @@ def _batch(t, seqs, mask_from=2):
 
 @pytest.mark.parametrize("labels_from", ["target", "data"])
 def test_training_loss_is_the_dflash_recipe_written_out(labels_from):
-    """Per sample, per valid anchor a, one block at a time: slot k (1..B-1) predicts the token
+    """Per sample, per valid anchor a, one block at a time: slot k (1..K-1) predicts the token
     at a+k (the target's greedy token there, or the data's), CE weighted exp(-(k-1)/gamma),
     stopping at the first slot outside the assistant span; each sample's weighted mean, then
     the mean over samples."""
@@ -262,7 +266,7 @@ def test_training_loss_is_the_dflash_recipe_written_out(labels_from):
         for a, ok in zip(labels["anchors"][b].tolist(), labels["valid"][b].tolist()):
             if not ok:
                 continue
-            logits = _block_logits(t, d, seq, a, d.config.block_size - 1)  # [B-1, V]: slots 1..B-1
+            logits = _block_logits(t, d, seq, a, d.config.block_size - 1)  # [K-1, V]: slots 1..K-1
             for k in range(1, d.config.block_size):
                 if a + k >= T or not batch["loss_mask"][b, a + k]:
                     break
@@ -301,7 +305,7 @@ def test_fp8_export_is_measured_in_tree_as_vllm_computes_it(trained, tmp_path, t
     with it is lossless, and the gate's τ is the in-tree decoder's on it."""
     from export import formats
     from export.fp8_reload import FP8DynamicLinear
-    from recipes import export as export_recipe
+    from recipes import export_draft as export_recipe
     from recipes._common import load_proposer
     from trainer.speculative import measure
 

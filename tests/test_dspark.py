@@ -16,7 +16,8 @@ from recipes import train
 from tests.conftest import REPO, make_tiny_model, make_tiny_tokenizer
 from trainer.capture import capture_batch
 from trainer.config import TrainConfig, load_config
-from trainer.drafts import build, dflash, dspark
+from trainer.drafts import dflash, dspark
+from trainer.drafts.registry import build
 from trainer.speculative import Sampling, generate
 from trainer.target import Target
 
@@ -78,7 +79,7 @@ def naive_loss(t, d, batch, labels):
             block = torch.tensor([[seq[a]] + [cfg.mask_token_id] * (cfg.block_size - 1)])
             pos = a + torch.arange(cfg.block_size)[None]
             allowed = torch.ones(1, 1, cfg.block_size, a + cfg.block_size, dtype=torch.bool)
-            hn = d.backbone.norm(d.backbone.blocks(block, pos, kv, allowed))[0]  # [Bk, H]
+            hn = d.backbone.norm(d.backbone.blocks(block, pos, kv, allowed))[0]  # [K, H]
             full = t.forward(torch.tensor([seq])).logits[0].softmax(-1)  # [T, V]
             for k in range(cfg.block_size):
                 if a + k + 1 >= T or not lm[b, a + k + 1]:
@@ -206,7 +207,8 @@ def test_topk_and_the_markov_ablation():
     with torch.no_grad():
         kv = d.backbone.context_kv(d.backbone.context(aux), torch.arange(anchor)[None])
         block = torch.tensor([[seq[anchor]] + [d.config.mask_token_id] * (N - 1)])
-        h = d.backbone.blocks(block, anchor + torch.arange(N)[None], kv, torch.ones(1, 1, N, anchor + N, dtype=torch.bool))
+        allowed = torch.ones(1, 1, N, anchor + N, dtype=torch.bool)
+        h = d.backbone.blocks(block, anchor + torch.arange(N)[None], kv, allowed)
         base = d.backbone.norm(h)[0] @ t.model.lm_head.weight.T  # [N, V]
         w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight  # [V, r], [V, r]
 
@@ -274,7 +276,7 @@ def trained(tmp_path_factory, tiny_target_dir, tiny_target):
 
 
 def test_a_trained_draft_accepts_in_decoding_what_it_learned(trained, tiny_target):
-    from trainer.drafts import load_draft
+    from trainer.drafts.folder import load_draft
 
     out, report = trained
     cfg = json.loads((out / "config.json").read_text())
@@ -291,7 +293,7 @@ def test_bf16_export_is_vllms_dspark_layout_and_reloads(trained, tmp_path, tiny_
     from safetensors.torch import load_file
 
     from export import formats
-    from recipes import export as export_recipe
+    from recipes import export_draft as export_recipe
 
     out, _ = trained
     export_recipe.main(["--draft", str(out), "--target", str(tiny_target_dir), "--output-dir", str(tmp_path / "e"),
@@ -327,9 +329,9 @@ def test_an_export_is_measured_with_the_options_vllm_reads_from_it(trained, tmp_
     """`--draft-option draft_topk=K` is written where vLLM reads it (config.json
     dspark_draft_topk); the in-tree decoder measuring that export proposes with the same K
     (as vLLM serves it), unless eval names the option itself."""
-    from recipes import export as export_recipe
+    from recipes import export_draft as export_recipe
     from recipes._common import load_proposer
-    from trainer.drafts import load_draft
+    from trainer.drafts.folder import load_draft
 
     out, _ = trained
     e = tmp_path / "e"

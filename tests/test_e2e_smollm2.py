@@ -80,7 +80,8 @@ def test_captured_states_match_the_target(demo_run, smollm2):
             ref = smollm2.model(ids, output_hidden_states=True)
         H = 576
         for k, layer in enumerate([2, 9, 15, 21, 27, 28]):
-            torch.testing.assert_close(s["aux_hidden_states"][:, k * H:(k + 1) * H].float(), ref.hidden_states[layer][0],
+            torch.testing.assert_close(s["aux_hidden_states"][:, k * H:(k + 1) * H].float(),
+                                       ref.hidden_states[layer][0],
                                        atol=0.05, rtol=0.02)
         logits = smollm2.logits_from_last_hidden(s["last_hidden_state"].float())
         agree = (logits.argmax(-1) == ref.logits[0].argmax(-1)).float().mean()
@@ -121,19 +122,20 @@ def test_inspect_capture_verifies_hashes(demo_run):
     r = subprocess.run([str(exe), "inspect-capture", str(demo_run / "capture")], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1].endswith("shard-00001.safetensors does not match its size/sha256 in manifest.json "
+    assert r.stderr.strip().splitlines()[-1].endswith("shard-00001.safetensors does not match its size/sha256 in "
+                                                         "manifest.json "
                                                          "(changed or truncated); capture again")
 
 
 @pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
 def test_demo_runs_every_algorithm(tmp_path, algorithm):
     """`draftsmith demo algorithm=...` end to end on a minimal budget: the block draft is exported,
-    gated and measured at the block it was trained on (DFlash: B-1 = 7, DSpark: B = 7), and the
+    gated and measured at the block it was trained on (DFlash: K-1 = 7, DSpark: K = 7), and the
     variants the algorithm declares (DSpark: without_markov) are in its table."""
     import contextlib
     import io
 
-    from trainer.drafts import get
+    from trainer.drafts.registry import get
 
     out = tmp_path / "run"
     printed = io.StringIO()

@@ -13,7 +13,8 @@ def test_expected_accepted_length_and_best_n_by_hand():
     cum = [0.8, 0.6, 0.3, 0.05]
     cond = [0.8, 0.75, 0.5, 1 / 6]
     assert expected_accepted_length(cum, 2) == pytest.approx(2.4)
-    cost = CostModel(draft_fixed=0.0, draft_per_token=0.01, verify_one=0.1, verify_max=0.14, n_max=4)  # verify +0.01/token
+    # verify +0.01/token
+    cost = CostModel(draft_fixed=0.0, draft_per_token=0.01, verify_one=0.1, verify_max=0.14, n_max=4)
     r = best_num_draft_tokens(cum, cond, cost)
     by_hand = [(1 + sum(cum[:n])) / (0.1 + 0.02 * n) for n in range(5)]
     assert [c["tokens_per_s"] for c in r["curve"]] == pytest.approx(by_hand)
@@ -89,7 +90,8 @@ def test_block_drafts_get_a_flat_draft_cost_and_their_own_best_n():
     chained, block = CostModel.fit(ar, sp, 6, parallel=False), CostModel.fit(ar, sp, 6, parallel=True)
     assert (chained.draft_fixed, chained.draft_per_token) == pytest.approx((0.01, 0.01))
     assert (block.draft_fixed, block.draft_per_token) == pytest.approx((0.07, 0.0))
-    assert [block.round_seconds(n) - block.round_seconds(1) for n in (2, 6)] == pytest.approx([0.01, 0.05])  # verify only
+    # verify only
+    assert [block.round_seconds(n) - block.round_seconds(1) for n in (2, 6)] == pytest.approx([0.01, 0.05])
     assert block.round_seconds(0) == pytest.approx(0.1)  # no draft, no draft cost
     cum = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4]
     cond = [0.9] + [b / a for a, b in zip(cum, cum[1:])]

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from export import formats, quark
-from recipes import export as export_recipe
+from recipes import export_draft as export_recipe
 from recipes import train
 from tests.conftest import REPO, make_tiny_model
 from trainer.config import ExportConfig, TrainConfig, load_config
@@ -51,7 +51,8 @@ def tiny_draft(tmp_path_factory, tiny_target_dir, tiny_target, gate_prompts):
                               samples_per_shard=8, draft_vocab_size=320, store_dtype="float32"))  # Vd = V
     out = d / "eagle3"
     train.run(load_config(TrainConfig, TINY, [f"data={d / 'capture'}", f"target={tiny_target_dir}",
-                                              f"output_dir={out}", "max_steps=150", "epochs=200", "log_every=20", "batch_size=1",
+                                              f"output_dir={out}", "max_steps=150", "epochs=200", "log_every=20",
+                                              "batch_size=1",
                                               "save_every=1000"]))
     return out
 
@@ -157,7 +158,8 @@ def test_vllm_exclude_patterns_match_runtime_names():
     from export import eagle3
 
     keep = eagle3.keep_bf16({}, quantize_fc=False)
-    assert keep == {"fc": "model.fc", "lm_head": "lm_head"} and eagle3.keep_bf16({}, quantize_fc=True) == {"lm_head": "lm_head"}
+    assert keep == {"fc": "model.fc", "lm_head": "lm_head"}
+    assert eagle3.keep_bf16({}, quantize_fc=True) == {"lm_head": "lm_head"}
     pats = quark.vllm_exclude(sorted(keep.values()))
 
     def ignored(name):  # vLLM: exact name, or re.match for "re:" entries (quantization/utils/config_utils.py)

@@ -10,10 +10,9 @@ import json
 import pytest
 import torch
 
-from export import checks
 from recipes import capture, prepare, train
 from recipes import eval as eval_recipe
-from recipes import export as export_recipe
+from recipes import export_draft as export_recipe
 from tests.conftest import REPO
 from trainer.config import TrainConfig, load_config
 
@@ -98,16 +97,14 @@ def test_eval_uses_the_datas_template_and_takes_plain_prompts(run, gemma, tmp_pa
 
 
 def test_vllm_builds_both_exports_with_every_weight(run, gemma):
-    if checks.vllm_python() is None:
-        pytest.skip("no vLLM environment (scripts/setup_vllm.sh)")
     from export import formats
-    from tests.conftest import vllm_build
+    from tests.conftest import require_vllm, vllm_build_many
 
+    require_vllm()
     d, _ = run
     prompt = gemma.tokenizer("The capital of France is")["input_ids"]
-    for algorithm in ("eagle3", "dflash"):
-        export_dir = d / f"{algorithm}-bf16"
-        _, got, aux = vllm_build(gemma, export_dir, d, prompt)
+    exports = [d / f"{algorithm}-bf16" for algorithm in ("eagle3", "dflash")]
+    for export_dir, (_, got, aux) in zip(exports, vllm_build_many([(gemma, e) for e in exports], d, prompt)):
         _, ours = formats.load_export(export_dir, gemma)
         fc = ours.fc(aux.to(ours.fc.weight.dtype))
         torch.testing.assert_close(got["fc"], fc.float(), atol=2e-2, rtol=2e-2)  # BF16 weights both sides

@@ -14,7 +14,7 @@ import pytest
 
 from recipes import capture, cli, prepare, train
 from recipes import eval as eval_recipe
-from recipes import export as export_recipe
+from recipes import export_draft as export_recipe
 from tests.conftest import GOOD_CHATS, REPO, write_jsonl
 from tests.test_bad_input import one_line_error
 

@@ -14,7 +14,8 @@ BAD = [
     {"messages": []},  # 1 empty
     {"messages": [{"role": "wizard", "content": "x"}]},  # 2 unknown_role
     {"messages": [{"role": "user", "content": 5}]},  # 3 non_string_content
-    {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"}]},  # 4 no_assistant (both dropped)
+    # 4 no_assistant (both dropped)
+    {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"}]},
     {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},  # 5 non_alternating
     {"messages": [{"role": "user", "content": "long " * 400}, {"role": "assistant", "content": "x"}]},  # 6 too_long
     "{not json",  # 7 invalid_json

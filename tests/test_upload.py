@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from recipes import eval as eval_recipe
-from recipes import export as export_recipe
+from recipes import export_draft as export_recipe
 from recipes import train
 from recipes import upload as upload_recipe
 from tests.conftest import GOOD_CHATS, REPO, write_jsonl

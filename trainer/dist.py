@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+from accelerate import PartialState
 
 from trainer.errors import DraftsmithError
 
@@ -31,8 +32,6 @@ def check_world_size(joined: int) -> None:
 
 
 def process_state():
-    from accelerate import PartialState
-
     on_cpu = flag("ACCELERATE_USE_CPU") or not (torch.cuda.is_available() or torch.xpu.is_available())
     state = PartialState(cpu=on_cpu)
     check_world_size(state.num_processes)

@@ -14,6 +14,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import save
+
 from trainer.errors import DraftsmithError
 
 PROVENANCE_PACKAGES = ("draftsmith", "torch", "transformers", "accelerate", "datasets", "safetensors",
@@ -58,8 +60,6 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
-    from safetensors.torch import save
-
     atomic_write_bytes(path, save(tensors, metadata=metadata))
 
 

@@ -38,6 +38,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from trainer.errors import ConfigError
 
 # How a draft picks its proposals under sampling (vLLM 0.32 `draft_sample_method`):
 # "greedy" (vLLM's default: the draft's argmax, a one-hot q in rejection sampling) or
@@ -47,8 +51,6 @@ DRAFT_SAMPLING = ("greedy", "probabilistic")
 
 def check_draft_sampling(name: str) -> str:
     if name not in DRAFT_SAMPLING:
-        from trainer.errors import ConfigError
-
         raise ConfigError(f"draft_sampling '{name}' is not one of {', '.join(DRAFT_SAMPLING)}")
     return name
 
@@ -57,8 +59,6 @@ def check_num_draft_tokens(n: int, most: int | None, what: str) -> None:
     """N (vLLM's num_speculative_tokens) must fit what the draft proposes in one round (a
     block draft's block). One line naming both, checked by generate() and at export."""
     if most is not None and n > most:
-        from trainer.errors import ConfigError
-
         raise ConfigError(f"num_draft_tokens={n} is more than {what} proposes ({most}); use at most {most}")
 
 
@@ -183,8 +183,6 @@ class TargetSession:
     def prefill(self, prompts: list[list[int]]):
         """The whole prompt of every row, as vLLM prefills it: returns the target's output
         over [B, P] (its last logits give the first generated token)."""
-        from transformers import DynamicCache
-
         dev = self.target.device
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=dev)
@@ -262,7 +260,7 @@ class DecodeStats:
         return self.generated / self.total_s if self.total_s else 0.0
 
     def counts(self) -> dict:
-        """vLLM's counter names (export/runners/vllm_generate.py reads the same from vLLM)."""
+        """vLLM's counter names (trainer/vllm/runners/vllm_generate.py reads the same from vLLM)."""
         return {"num_drafts": self.rounds, "num_accepted_tokens": self.accepted,
                 "accepted_per_position": list(self.accepted_at)}
 
@@ -409,8 +407,6 @@ def measure(target, draft: Draft | None, prompts: list[list[int]], max_new_token
             sampling: Sampling | None = None, eos_token_ids=(), batch_size: int = 1, seed: int = 0,
             progress: str | None = None) -> DecodeStats:
     """Decode `prompts` in batches and merge the stats (None draft = autoregressive)."""
-    from tqdm.auto import tqdm
-
     stats = DecodeStats(num_draft_tokens if draft is not None else 0)
     starts = range(0, len(prompts), batch_size)
     for b in tqdm(starts, desc=progress, unit="batch", disable=progress is None, leave=False):

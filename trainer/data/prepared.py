@@ -1,18 +1,26 @@
-"""The prepared-data folder written by `recipes/prepare.py` and read by capture/training.
+"""The prepared-data folder: written (`tokenize`, `write_prepared`) for `recipes/prepare.py` and
+read (`load_prepared`) by capture and training, here and nowhere else.
 
-<dir>/data/          a `datasets` Arrow dataset: input_ids, loss_mask, length, index (source record)
-<dir>/summary.json   counts (records, kept, skipped per reason, tokens), target, the chat template,
-                     and data_sha256: the digest of the data files it describes (checked on load)
+<dir>/data/               a `datasets` Arrow dataset: input_ids, loss_mask, length, index (source record)
+<dir>/summary.json        counts (records, kept, skipped per reason, tokens), target, the chat template,
+                          and data_sha256: the digest of the data files it describes (checked on load)
+<dir>/regenerated.jsonl   with regeneration: every answer the target gave (token ids, finish reason)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
+from datasets import Dataset, load_from_disk
+
+from trainer.data.chat import BadRecord, count_reasons, tokenize_chat
 from trainer.errors import DataError
+from trainer.io import atomic_write_json, sha256_file
 
 FORMAT = "draftsmith-prepared-v1"
+REGENERATED = "regenerated.jsonl"  # every answer the target gave, when regenerated
 
 
 SUMMARY_KEYS = ("format", "source", "kept", "target", "target_sha256", "records_read", "regenerated",
@@ -21,10 +29,6 @@ SUMMARY_KEYS = ("format", "source", "kept", "target", "target_sha256", "records_
 
 def data_digest(data_dir: Path) -> str:
     """sha256 over the dataset's Arrow files (names and contents): what summary.json describes."""
-    import hashlib
-
-    from trainer.io import sha256_file
-
     h = hashlib.sha256()
     for f in sorted(Path(data_dir).glob("*.arrow")):
         h.update(f.name.encode())
@@ -32,10 +36,75 @@ def data_digest(data_dir: Path) -> str:
     return h.hexdigest()
 
 
+def _tokenize_batch(batch, tokenizer, max_length, chat_template):
+    out = {"input_ids": [], "loss_mask": [], "length": [], "skip": []}
+    for messages in batch["messages"]:
+        try:
+            t = tokenize_chat(tokenizer, messages, max_length, chat_template)
+            out["input_ids"].append(t.input_ids)
+            out["loss_mask"].append(t.loss_mask)
+            out["length"].append(len(t.input_ids))
+            out["skip"].append("")
+        except BadRecord as err:
+            out["input_ids"].append([])
+            out["loss_mask"].append([])
+            out["length"].append(0)
+            out["skip"].append(f"{err.reason}\t{err.detail}")  # reason, then what and where
+    return out
+
+
+def tokenize(kept: list[dict], tokenizer, max_length: int, chat_template: str, num_proc: int):
+    """The conversations ({"index", "messages"}) as the dataset a prepared folder holds (token ids,
+    assistant loss mask, length, index), and those that failed: [(index, reason, detail)]."""
+    ds = Dataset.from_list(kept) if kept else Dataset.from_dict({"index": [], "messages": []})
+    ds = ds.map(_tokenize_batch, batched=True, num_proc=num_proc if len(ds) > num_proc else None,
+                fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "chat_template": chat_template},
+                remove_columns=["messages"], desc="tokenize")
+    late = [(i, *r.split("\t", 1)) for i, r in zip(ds["index"], ds["skip"]) if r]
+    return ds.filter(lambda s: not s, input_columns="skip").remove_columns("skip"), late
+
+
+def write_prepared(folder: Path, ds, chats, *, source, max_length: int, regenerated: dict | None,
+                   records: list[dict] | None, target, target_sha256: str, chat_template: str) -> dict:
+    """The data, every regenerated answer and summary.json (last: it records the data's digest)
+    into `folder`; returns the summary. `chats`: trainer.data.sources.Chats (counts per source)."""
+    lengths = list(ds["length"])
+    assistant = sum(sum(map(sum, b["loss_mask"])) for b in ds.iter(batch_size=1024))
+    kept_index = list(ds["index"])
+    reports = chats.reports
+    per_source = [{"source": name, "weight": weight, "path": r.path, "records_read": r.records_read,
+                   "truncated": r.truncated, "kept": sum(lo <= i < hi for i in kept_index),
+                   "skipped": count_reasons(reason for i, reason in chats.skipped if lo <= i < hi)}
+                  for (name, weight, lo, hi), r in zip(chats.spans, reports)]
+    summary = {
+        "format": FORMAT,
+        "source": source, "source_path": reports[0].path,
+        "records_read": sum(r.records_read for r in reports),
+        "source_truncated": any(r.truncated for r in reports),
+        "source_notes": [n for r in reports for n in r.notes],
+        "sources": per_source,  # per source of a mixture (one entry for a single source)
+        "kept": len(ds), "skipped": count_reasons(r for _, r in chats.skipped),
+        "dropped_turns": dict(sorted(chats.dropped.items())),
+        "tokens": sum(lengths), "assistant_tokens": assistant,
+        "max_length": max_length, "longest": max(lengths),
+        "regenerated": regenerated is not None,
+        **({"regenerate": regenerated} if regenerated else {}),  # engine, version, settings, throughput
+        "target": target.name, "target_path": str(target.path), "target_sha256": target_sha256,
+        "chat_template_sha256": hashlib.sha256(chat_template.encode()).hexdigest(),
+        "chat_template": chat_template,  # the text: eval and regeneration of this data's drafts use it
+    }
+    ds.save_to_disk(str(Path(folder) / "data"))
+    if regenerated:  # every answer the target gave (token ids, finish reason): evidence, and what equivalence reads
+        with open(Path(folder) / REGENERATED, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    summary["data_sha256"] = data_digest(Path(folder) / "data")  # the summary is evidence of this data, checked on load
+    atomic_write_json(Path(folder) / "summary.json", summary)
+    return summary
+
+
 def load_prepared(path: str | Path):
     """(datasets.Dataset, summary dict) of a prepare output folder; one line naming the file
     when the summary is broken or the data is missing, empty or unreadable."""
-    from datasets import load_from_disk
 
     path = Path(path)
     summary_file = path / "summary.json"

@@ -22,7 +22,11 @@ scaling FP8 activations use in vLLM's ptpc_fp8); training dequantizes on its dev
 
 A shard is complete when `<shard>.json` (its sha256 and counts) exists beside it;
 both are written atomically, the sidecar last, so a killed capture never leaves a
-shard that looks complete.
+shard that looks complete. The capture is complete when manifest.json exists
+(`write_manifest`, last of all): the target, the stored layer ids and each draft's subset
+in their one convention, the store dtype, the engine, the data it came from, counts,
+bytes per token, the draft vocabulary (draft_vocab.safetensors: d2t, t2d, counts) and
+every shard's sha256.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from trainer.data.vocab import build_draft_vocab, coverage
 from trainer.errors import DataError, DraftsmithError
 from trainer.io import atomic_save_safetensors, atomic_write_json, sha256_file
 from trainer.layer_ids import LAYER_ID_CONVENTION, check_layer_ids
@@ -126,6 +131,40 @@ def completed_shard(out_dir: Path, k: int) -> dict | None:
     return entry if entry.get("bytes") == path.stat().st_size and sha256_file(path) == entry.get("sha256") else None
 
 
+def write_manifest(out: Path, *, target, target_dtype: str, layer_ids: list[int], draft_layer_ids: dict,
+                   store_dtype: str, engine: dict, data: dict, samples: int, entries: list[dict], counts: torch.Tensor,
+                   draft_vocab_size: int) -> dict:
+    """The capture's draft vocabulary (the `draft_vocab_size` most frequent loss-masked tokens of
+    `counts`) and then its manifest, the mark of a complete capture. `entries`: every shard's
+    sidecar, in order; `engine`: {engine, version, engines}; `data`: where the samples came
+    from (path, source, regenerated, the chat template and its sha256)."""
+    d2t, t2d = build_draft_vocab(counts, min(draft_vocab_size, target.vocab_size))
+    atomic_save_safetensors(Path(out) / DRAFT_VOCAB, {"d2t": d2t, "t2d": t2d, "counts": counts})
+    tokens = sum(e["tokens"] for e in entries)
+    manifest = {
+        "format": FORMAT,
+        "target": {"name": target.name, "path": target.path, "sha256": target.content_hash,
+                   "num_layers": target.num_layers, "hidden_size": target.hidden_size,
+                   "vocab_size": target.vocab_size, "dtype": target_dtype},
+        "layer_id_convention": LAYER_ID_CONVENTION,
+        "aux_layer_ids": layer_ids,  # the stored columns, in this order
+        "draft_layer_ids": draft_layer_ids,  # the subset each draft algorithm trains on by default
+        "store_dtype": store_dtype,
+        "engine": engine,
+        "data": data,
+        "samples": samples, "tokens": tokens, "loss_tokens": sum(e["loss_tokens"] for e in entries),
+        "bytes_per_token": {
+            "on_disk": sum(e["bytes"] for e in entries) / tokens,
+            # hidden states (L*H + H) in the store dtype (+ float8 scales), int32 id, uint8 mask, int32 argmax
+            "expected": bytes_per_token(len(layer_ids), target.hidden_size, store_dtype),
+        },
+        "draft_vocab": {"file": DRAFT_VOCAB, "size": int(d2t.numel()), "coverage": coverage(counts, t2d)},
+        "shards": entries,
+    }
+    atomic_write_json(Path(out) / MANIFEST, manifest)  # last: its presence marks the capture complete
+    return manifest
+
+
 @dataclass
 class CaptureInfo:
     path: Path
@@ -209,10 +248,10 @@ def verify_capture(path: str | Path) -> CaptureInfo:
     and the state widths are len(ids) x H and H), and draft_vocab.safetensors is there and
     fits the target's vocabulary. One clear line on the first problem."""
     info = load_manifest(path)
-    m, where = info.manifest, f"capture '{info.path}'"
-    H, ids = m["target"]["hidden_size"], m["aux_layer_ids"]
+    manifest, where = info.manifest, f"capture '{info.path}'"
+    H, ids = manifest["target"]["hidden_size"], manifest["aux_layer_ids"]
     samples = 0
-    for entry in m["shards"]:
+    for entry in manifest["shards"]:
         p = info.path / entry["file"]
         if not p.is_file():
             raise DataError(f"{where}: shard {entry['file']} is missing; capture again (resume keeps intact shards)")
@@ -229,7 +268,7 @@ def verify_capture(path: str | Path) -> CaptureInfo:
             raise DataError(f"{where}: shard {entry['file']} is not readable safetensors ({err}); capture again") \
                 from None
         need = {"input_ids", "loss_mask", "cu_seqlens", "aux_hidden_states", "last_hidden_state", "target_argmax",
-                *(SCALES.values() if m["store_dtype"] == "float8_e4m3" else ())}
+                *(SCALES.values() if manifest["store_dtype"] == "float8_e4m3" else ())}
         if need - keys:
             raise DataError(f"{where}: shard {entry['file']} lacks {sorted(need - keys)}; capture again")
         if stored != ids:
@@ -239,8 +278,9 @@ def verify_capture(path: str | Path) -> CaptureInfo:
             raise DataError(f"{where}: shard {entry['file']} holds states {widths['aux_hidden_states'][-1]} wide, "
                             f"but {len(ids)} layer ids x H={H} = {len(ids) * H}; the manifest does not describe it")
         samples += entry["samples"]
-    if samples != m["samples"]:
-        raise DataError(f"{where}: the shards hold {samples} samples, {MANIFEST} says {m['samples']}; capture again")
+    if samples != manifest["samples"]:
+        raise DataError(f"{where}: the shards hold {samples} samples, {MANIFEST} says {manifest['samples']}; "
+                        "capture again")
     vocab = info.path / DRAFT_VOCAB
     if not vocab.is_file():
         raise DataError(f"{where}: {DRAFT_VOCAB} is missing (the draft vocabulary); capture again")
@@ -249,9 +289,10 @@ def verify_capture(path: str | Path) -> CaptureInfo:
             shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
     except Exception as err:
         raise DataError(f"{where}: {DRAFT_VOCAB} is not readable ({err}); capture again") from None
-    V = m["target"]["vocab_size"]
-    if shapes.get("t2d") != [V] or shapes.get("counts") != [V] or shapes.get("d2t") != [m["draft_vocab"]["size"]]:
-        raise DataError(f"{where}: {DRAFT_VOCAB} does not fit the manifest (d2t [{m['draft_vocab']['size']}], "
+    V = manifest["target"]["vocab_size"]
+    Vd = manifest["draft_vocab"]["size"]
+    if shapes.get("t2d") != [V] or shapes.get("counts") != [V] or shapes.get("d2t") != [Vd]:
+        raise DataError(f"{where}: {DRAFT_VOCAB} does not fit the manifest (d2t [{manifest['draft_vocab']['size']}], "
                         f"t2d and counts [{V}]; found {shapes}); capture again")
     return info
 
@@ -262,12 +303,12 @@ class CaptureReader:
     def __init__(self, path: str | Path, layer_ids: list[int] | None = None):
         """layer_ids: the subset of the captured aux layers to return (default: all, in order)."""
         self.info = load_manifest(path)
-        m = self.info.manifest
-        self._columns = layer_columns(m["aux_layer_ids"], layer_ids, m["target"]["hidden_size"]) \
+        manifest = self.info.manifest
+        self._columns = layer_columns(manifest["aux_layer_ids"], layer_ids, manifest["target"]["hidden_size"]) \
             if layer_ids is not None else None
-        self._layers = None if self._columns is None else [m["aux_layer_ids"].index(i) for i in layer_ids]
+        self._layers = None if self._columns is None else [manifest["aux_layer_ids"].index(i) for i in layer_ids]
         self._names = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "target_argmax",
-                       *(SCALES.values() if m["store_dtype"] == "float8_e4m3" else ()))
+                       *(SCALES.values() if manifest["store_dtype"] == "float8_e4m3" else ()))
         self._index: list[tuple[int, int]] = []  # global sample -> (shard, row)
         self._cu: list[torch.Tensor] = []
         for k, entry in enumerate(self.info.manifest["shards"]):

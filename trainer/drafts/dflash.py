@@ -9,11 +9,12 @@ What vLLM computes, and so what this module computes:
     context  c_t = hidden_norm(fc(concat of the target's states at target_layer_ids, position t))
              each layer's context keys/values: k_norm(k_proj(c_t)) with RoPE at t, v_proj(c_t)
              (no input_layernorm on the context path: precompute_and_store_context_kv)
-    queries  the block [anchor, MASK x (B-1)] at positions p..p+B-1, through Qwen3-style
+    queries  the block [anchor, MASK x (K-1)] at positions p..p+K-1, through Qwen3-style
              decoder layers (q_norm/k_norm, SwiGLU), attending the context at positions < p
              and the whole block (bidirectional); then `norm` and the LM head.
-    slot k (1..B-1) predicts the token at p+k; the anchor is the token whose target state
-    is not known yet (the pending token). N = num_speculative_tokens <= B-1.
+    slot k (1..K-1) predicts the token at p+k; the anchor is the token whose target state
+    is not known yet (the pending token). N = num_speculative_tokens <= K-1. (K is the block
+    size throughout: B is the batch.)
 The token embedding and, by default, the LM head are the target's, frozen, not saved;
 `draft_vocab_size` set gives the draft its own head over a reduced vocabulary (d2t).
 
@@ -37,8 +38,9 @@ from torch import nn
 
 from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
 from trainer.drafts.shape import TargetShape
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, DataError
 from trainer.metrics import StepMetrics
+from trainer.speculative import DraftSampler, Proposal, positions_from_mask, trailing_holes
 
 DEFAULT_NUM_TARGET_LAYERS = 5  # z-lab's DFlash drafts read 5 target layers (Qwen3-8B: output ids 1, 9, 17, 25, 33)
 
@@ -61,7 +63,7 @@ class DFlashConfig(TargetShape):
 
     num_hidden_layers: int = 5  # draft layers (z-lab: 5 for 8B targets)
     mask_token_id: int | None = None  # chosen at training: a token the training data never uses
-    block_size: int = 16  # B: anchor + B-1 predicted slots
+    block_size: int = 16  # K: anchor + K-1 predicted slots
     # Objective (DFlash recipe): random anchors inside assistant spans, CE on slots k >= 1
     # weighted exp(-(k-1)/gamma) (gamma 7 for B = 16, 4 for B = 8), normalized by the weights.
     num_anchors: int = 512  # per sequence (every public recipe); fewer on a CPU
@@ -91,7 +93,7 @@ class DFlashConfig(TargetShape):
 
     @property
     def max_draft_tokens(self) -> int:
-        """Slots 1..B-1 of the block predict: N <= B - 1."""
+        """Slots 1..K-1 of the block predict: N <= K - 1."""
         return self.block_size - 1
 
 
@@ -118,7 +120,7 @@ class Attention(nn.Module):
         return apply_rotary(k, cos, sin), v
 
     def forward(self, x, cos, sin, ctx_kv, allowed):
-        """x [B, Q, H] block queries; ctx_kv (K, V) [B, nkv, S, hd]; allowed bool [B, 1, Q, S+Q]."""
+        """x [B, Q, H] block queries; ctx_kv (keys, values) [B, nkv, S, hd]; allowed bool [B, 1, Q, S+Q]."""
         B, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.hd)).transpose(1, 2)  # [B, nh, Q, hd]
         q = apply_rotary(q, cos, sin)
@@ -252,22 +254,22 @@ def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor, n: int
 def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, T: int, block_size: int,
                  mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The packed query blocks of a batch. ids [B, T]; anchors, valid [B, n].
-    Returns block_ids [B, n*Bk] ([anchor token, MASK x (Bk-1)] per block), positions
-    [B, n*Bk] (anchor + slot) and allowed bool [B, 1, n*Bk, T + n*Bk]: context keys at
+    Returns block_ids [B, n*K] ([anchor token, MASK x (K-1)] per block), positions
+    [B, n*K] (anchor + slot) and allowed bool [B, 1, n*K, T + n*K]: context keys at
     positions strictly before the block's anchor, and its own block (bidirectional)."""
     B, n = anchors.shape
-    Bk = block_size
+    K = block_size
     dev = ids.device
-    slot = torch.arange(Bk, device=dev)
-    pos = (anchors[..., None] + slot).reshape(B, n * Bk)  # [B, n*Bk]
-    block_ids = torch.full((B, n, Bk), mask_token_id, dtype=ids.dtype, device=dev)
+    slot = torch.arange(K, device=dev)
+    pos = (anchors[..., None] + slot).reshape(B, n * K)  # [B, n*K]
+    block_ids = torch.full((B, n, K), mask_token_id, dtype=ids.dtype, device=dev)
     block_ids[..., 0] = ids.gather(1, anchors)
     ctx = torch.arange(T, device=dev)[None, None, :] < anchors[..., None]  # [B, n, T]
-    ctx = ctx.repeat_interleave(Bk, dim=1)  # [B, n*Bk, T]
-    blk = torch.arange(n, device=dev).repeat_interleave(Bk)  # [n*Bk] block of each query
-    own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, n*Bk, n*Bk]
-    allowed = torch.cat([ctx & valid.repeat_interleave(Bk, 1)[..., None], own], -1)[:, None]
-    return block_ids.reshape(B, n * Bk), pos, allowed
+    ctx = ctx.repeat_interleave(K, dim=1)  # [B, n*K, T]
+    blk = torch.arange(n, device=dev).repeat_interleave(K)  # [n*K] block of each query
+    own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, n*K, n*K]
+    allowed = torch.cat([ctx & valid.repeat_interleave(K, 1)[..., None], own], -1)[:, None]
+    return block_ids.reshape(B, n * K), pos, allowed
 
 
 def training_step(draft: DFlashDraft, batch: dict, labels: dict) -> StepMetrics:
@@ -283,8 +285,8 @@ def training_step(draft: DFlashDraft, batch: dict, labels: dict) -> StepMetrics:
     normalized by the weights' sum.
     """
     cfg = draft.config
-    h = block_states(draft, batch, labels["anchors"], labels["valid"])[:, :, 1:]  # [B, n, Bk-1, H]
-    at, live = slot_supervision(batch, labels["anchors"], labels["valid"], first=1, K=cfg.block_size - 1)
+    h = block_states(draft, batch, labels["anchors"], labels["valid"])[:, :, 1:]  # [B, n, K-1, H]
+    at, live = slot_supervision(batch, labels["anchors"], labels["valid"], first=1, slots=cfg.block_size - 1)
     greedy = labels["target_ids"].gather(1, (at - 1).flatten(1)).view_as(at)  # what greedy verification accepts
     want = batch["input_ids"].gather(1, at.flatten(1)).view_as(at) if cfg.labels == "data" else greedy
 
@@ -317,25 +319,26 @@ def in_row_chunks(fn, rows: tuple[torch.Tensor, ...], chunk: int) -> tuple[torch
 
 
 def block_states(draft: DFlashDraft, batch: dict, anchors: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The packed blocks of a batch through the draft: the last layer's output [B, n, Bk, H]
+    """The packed blocks of a batch through the draft: the last layer's output [B, n, K, H]
     for every slot of every anchor's block (context: the target's states before the anchor)."""
     ids = batch["input_ids"]
     B, T = ids.shape
     ctx = draft.context(batch["aux_hidden_states"])  # [B, T, H]
     ctx_kv = draft.context_kv(ctx, torch.arange(T, device=ids.device).expand(B, T))
-    Bk = draft.config.block_size
-    block_ids, pos, allowed = block_inputs(ids, anchors, valid, T, Bk, draft.config.mask_token_id)
-    return draft.blocks(block_ids, pos, ctx_kv, allowed).view(B, anchors.shape[1], Bk, -1)
+    K = draft.config.block_size
+    block_ids, pos, allowed = block_inputs(ids, anchors, valid, T, K, draft.config.mask_token_id)
+    return draft.blocks(block_ids, pos, ctx_kv, allowed).view(B, anchors.shape[1], K, -1)
 
 
 def slot_supervision(batch: dict, anchors: torch.Tensor, valid: torch.Tensor, first: int,
-                     K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where K supervised slots point and where supervision holds. Slot j predicts the token
-    at anchor + first + j. Returns at [B, n, K] (clamped to T-1) and live [B, n, K]: that
-    token is inside the sequence and the assistant span, and so are all before it in the block."""
+                     slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the supervised slots point and where supervision holds. Slot j (of `slots`) predicts
+    the token at anchor + first + j. Returns at [B, n, slots] (clamped to T-1) and live [B, n,
+    slots]: that token is inside the sequence and the assistant span, and so are all before it
+    in the block."""
     loss_mask, attn = batch["loss_mask"], batch["attention_mask"]
     T = loss_mask.shape[1]
-    raw = anchors[..., None] + first + torch.arange(K, device=anchors.device)  # [B, n, K]
+    raw = anchors[..., None] + first + torch.arange(slots, device=anchors.device)  # [B, n, slots]
     at = raw.clamp(max=T - 1)
     flat = at.flatten(1)
     in_span = (loss_mask.gather(1, flat).bool() & attn.gather(1, flat).bool()).view_as(at) & (raw < T)
@@ -407,9 +410,7 @@ class DFlashProposer:
     parallel = True  # one forward over the whole block a round
 
     def __init__(self, draft: DFlashDraft, draft_sampling: str = "greedy", seed: int = 0):
-        from trainer.speculative import DraftSampler
-
-        self.d = draft.eval()
+        self.draft = draft.eval()
         self.sample = DraftSampler(draft, draft_sampling, seed)
         self.aux_layer_ids, self.target_ids = list(draft.config.aux_layer_ids), self.sample.target_ids
         self.max_draft_tokens = draft.config.max_draft_tokens
@@ -417,10 +418,8 @@ class DFlashProposer:
     @torch.no_grad()
     def _extend(self, aux, new_mask):
         """Commit positions: aux [B, T, L*Ht], new_mask [B, T] (False: hole)."""
-        from trainer.speculative import positions_from_mask, trailing_holes
-
         mask = new_mask.bool() if self.mask is None else torch.cat([self.mask, new_mask.bool()], 1)
-        kv = self.d.context_kv(self.d.context(aux), positions_from_mask(mask, new_mask.shape[1]))
+        kv = self.draft.context_kv(self.draft.context(aux), positions_from_mask(mask, new_mask.shape[1]))
         self.kv = kv if self.kv is None else [(torch.cat([a[0], b[0]], 2), torch.cat([a[1], b[1]], 2))
                                              for a, b in zip(self.kv, kv)]
         self.mask = mask
@@ -440,21 +439,19 @@ class DFlashProposer:
     def block_hidden(self, sequences, q: int) -> torch.Tensor:
         """One draft forward over the block [pending token, MASK x (q-1)] at the pending token's
         position onward, attending the committed context -> the last layer's output [B, q, H]."""
-        d = self.d
+        draft = self.draft
         B, dev = self.mask.shape[0], self.mask.device
         start = self.mask.long().sum(-1)  # [B] position of each row's pending token
         pos = start[:, None] + torch.arange(q, device=dev)  # [B, q]
-        block = torch.full((B, q), d.config.mask_token_id, dtype=torch.long, device=dev)
+        block = torch.full((B, q), draft.config.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = torch.tensor([s[-1] for s in sequences], device=dev)
         allowed = torch.cat([self.mask[:, None, None, :].expand(-1, 1, q, -1),
                              torch.ones(B, 1, q, q, dtype=torch.bool, device=dev)], -1)
-        return d.blocks(block, pos, self.kv, allowed)
+        return draft.blocks(block, pos, self.kv, allowed)
 
     @torch.no_grad()
     def propose(self, sequences, n: int, sampling):
-        from trainer.speculative import Proposal
-
-        logits = self.d.logits(self.block_hidden(sequences, n + 1)[:, 1:])  # [B, n, Vd]
+        logits = self.draft.logits(self.block_hidden(sequences, n + 1)[:, 1:])  # [B, n, Vd]
         return Proposal(*self.sample(logits, sampling))
 
 
@@ -464,8 +461,6 @@ Proposer = DFlashProposer
 def choose_mask_token(counts: torch.Tensor, special_ids) -> int:
     """The mask token: the highest id whose embedding row the training data never uses
     (count 0) and that is not a special token. Never a silent fallback to pad/eos."""
-    from trainer.errors import DataError
-
     unused = (counts == 0).clone()
     for i in special_ids:
         if 0 <= i < unused.numel():

@@ -9,8 +9,8 @@ speculator.py (vLLM 0.32); the loss from DeepSeek's DeepSpec training code.
 
 What vLLM computes, and so what this module computes:
     backbone  DFlash's (trainer/drafts/dflash.py): context keys/values from the target's
-              states before the anchor, the block [anchor, MASK x (B-1)] at positions p..p+B-1,
-              bidirectional inside the block ("sample from anchor": N = B queries, not 1 + N)
+              states before the anchor, the block [anchor, MASK x (K-1)] at positions p..p+K-1,
+              bidirectional inside the block ("sample from anchor": N = K queries, not 1 + N)
     base      U_k = lm_head(norm(h_k)), slot k (0-based) predicting the token at p+k+1
     Markov    logits_k = U_k + W2 W1[x_{k-1}], x_{-1} = the anchor, x_k the token drafted at
               slot k: applied left to right after the one backbone pass. W1 = Embedding(V, r)
@@ -18,7 +18,7 @@ What vLLM computes, and so what this module computes:
               of lossless rejection sampling.
     confidence  c_k = sigmoid(w . [norm(h_k) ; W1[x_{k-1}]] + b) (in fp32), the predicted
               probability that slot k is accepted; vLLM uses it for adaptive verification.
-N = num_speculative_tokens <= B.
+N = num_speculative_tokens <= K (the block size; B is the batch).
 
 Module layout (a one-to-one key map on export: `backbone.` is dropped, the rest are vLLM's
 names): backbone.{fc, hidden_norm, layers.*, norm, [lm_head, d2t, t2d]},
@@ -37,6 +37,7 @@ from torch import nn
 from trainer.drafts import dflash
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
+from trainer.speculative import Proposal
 
 MARKOV_HEAD_TYPES = ("vanilla",)  # the only head vLLM 0.32 builds (qwen3_dspark.py DSparkMarkovHead)
 
@@ -52,7 +53,7 @@ class DSparkConfig(dflash.DFlashConfig):
     """The DFlash fields (shape, layer ids, mask token, anchors) with DSpark's defaults, plus
     the Markov and confidence heads and the DeepSpec loss mix."""
 
-    block_size: int = 7  # B: [anchor, MASK x (B-1)], every slot predicts (DSpark's Qwen3-8B: 7)
+    block_size: int = 7  # K: [anchor, MASK x (K-1)], every slot predicts (DSpark's Qwen3-8B: 7)
     gamma: float = 4.0  # slot k (0-based) weighs exp(-k/gamma) (DeepSpec)
     labels: str = "data"  # CE against the data token (DeepSpec); "target": the target's greedy token
     markov_rank: int = 256  # r
@@ -84,7 +85,7 @@ class DSparkConfig(dflash.DFlashConfig):
 
     @property
     def max_draft_tokens(self) -> int:
-        """Every slot of the block predicts (sample from anchor): N <= B."""
+        """Every slot of the block predicts (sample from anchor): N <= K."""
         return self.block_size
 
 
@@ -166,7 +167,7 @@ def training_step(draft: DSparkDraft, batch: dict, labels: dict) -> StepMetrics:
     batch: input_ids, loss_mask, attention_mask [B, T], aux_hidden_states [B, T, L*Ht].
     labels (`target_labels`): anchors/valid [B, n]; target_ids [B, T] (the target's greedy
     token after each position); target_p [U, Vd] (the target's next-token distribution,
-    restricted to the draft vocabulary) at the positions `target_row` [B, n, Bk] points to,
+    restricted to the draft vocabulary) at the positions `target_row` [B, n, K] points to,
     with target_outside [U] = its mass outside the draft vocabulary.
 
     Slot k (0-based) of the block at anchor a predicts the token at a+k+1 from the base
@@ -177,9 +178,9 @@ def training_step(draft: DSparkDraft, batch: dict, labels: dict) -> StepMetrics:
     """
     cfg = draft.config
     ids, anchors = batch["input_ids"], labels["anchors"]
-    Bk = cfg.block_size
-    h = dflash.block_states(draft.backbone, batch, anchors, labels["valid"])  # [B, n, Bk, H]
-    at, live = dflash.slot_supervision(batch, anchors, labels["valid"], first=1, K=Bk)  # token at a+k+1
+    K = cfg.block_size
+    h = dflash.block_states(draft.backbone, batch, anchors, labels["valid"])  # [B, n, K, H]
+    at, live = dflash.slot_supervision(batch, anchors, labels["valid"], first=1, slots=K)  # token at a+k+1
     greedy = labels["target_ids"].gather(1, (at - 1).flatten(1)).view_as(at)
     prev = ids.gather(1, (at - 1).flatten(1)).view_as(at)  # x_{k-1}: the data token at a+k
     want = ids.gather(1, at.flatten(1)).view_as(at) if cfg.labels == "data" else greedy
@@ -219,15 +220,15 @@ def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512) -> 
     valid block), computed once per distinct position from the captured pre-norm last state,
     `chunk` positions at a time: never a [B, T, V] tensor, nor one per slot.
 
-    Returns anchors, valid [B, n]; target_row [B, n, Bk] (row of target_p for the state at
+    Returns anchors, valid [B, n]; target_row [B, n, K] (row of target_p for the state at
     anchor + k, -1 where no slot needs it); target_p [U, Vd] (restricted to the draft
     vocabulary, not renormalized), target_outside [U] (its mass outside), U <= min(B*T,
-    B*n*Bk); target_ids [B, T] (the target's greedy token after each position: the capture's
+    B*n*K); target_ids [B, T] (the target's greedy token after each position: the capture's
     target_argmax, -1 at padding). Memory: U * Vd floats, plus chunk * V while computing."""
     anchors, valid = dflash.sample_anchors(batch["loss_mask"], batch["attention_mask"], draft.config.num_anchors)
     B, T = batch["input_ids"].shape
     dev = anchors.device
-    pos = anchors[..., None] + torch.arange(draft.config.block_size, device=dev)  # [B, n, Bk]
+    pos = anchors[..., None] + torch.arange(draft.config.block_size, device=dev)  # [B, n, K]
     need = valid[..., None] & (pos < T - 1)
     key = torch.arange(B, device=dev)[:, None, None] * T + pos.clamp(max=T - 1)  # flat b*T + t
     unique, row = torch.unique(key[need], return_inverse=True)
@@ -237,7 +238,7 @@ def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512) -> 
     draft_ids = draft.draft_to_target() if draft.config.draft_vocab_size is not None else None
     probs, outside = [], []
     for part in unique.split(chunk):
-        p = target.model.lm_head(target.backbone.norm(states[part].to(target.dtype))).float().softmax(-1)  # [u, V]
+        p = target.head_logits(target.final_norm(states[part].to(target.dtype))).float().softmax(-1)  # [u, V]
         if draft_ids is not None:
             p = p[:, draft_ids]
             outside.append((1 - p.sum(-1)).clamp(min=0))
@@ -270,11 +271,12 @@ class DSparkProposer:
         Vd = draft.config.draft_vocab_size or draft.config.vocab_size
         if draft_topk is not None and not 1 <= draft_topk <= Vd:
             raise ConfigError(f"draft_topk {draft_topk} must be between 1 and the draft vocabulary size ({Vd})")
-        self.d = draft.eval()
+        self.draft = draft.eval()
         self.context = dflash.DFlashProposer(draft.backbone, draft_sampling, seed)
         self.aux_layer_ids = self.context.aux_layer_ids
         self.max_draft_tokens = draft.config.max_draft_tokens
-        self.target_ids, self.sample = self.context.target_ids, self.context.sample  # DSpark's draft ids: the backbone's
+        # DSpark's draft ids: the backbone's
+        self.target_ids, self.sample = self.context.target_ids, self.context.sample
         self.markov, self.draft_topk = markov, draft_topk
 
     def begin(self, sequences, aux, mask):
@@ -285,11 +287,9 @@ class DSparkProposer:
 
     @torch.no_grad()
     def propose(self, sequences, n: int, sampling):
-        from trainer.speculative import Proposal
-
-        d = self.d
-        hn = d.backbone.norm(self.context.block_hidden(sequences, n))  # [B, n, H]: slot k predicts p+k+1
-        base = d.backbone.head(hn)  # [B, n, Vd]
+        draft = self.draft
+        hn = draft.backbone.norm(self.context.block_hidden(sequences, n))  # [B, n, H]: slot k predicts p+k+1
+        base = draft.backbone.head(hn)  # [B, n, Vd]
         if self.draft_topk is not None:
             values, index = base.topk(self.draft_topk, dim=-1)  # [B, n, k], chosen once for all slots
         prev = torch.tensor([s[-1] for s in sequences], device=base.device)  # [B] the anchor
@@ -298,10 +298,10 @@ class DSparkProposer:
             if not self.markov:
                 logits = base[:, k]
             elif self.draft_topk is None:
-                logits = base[:, k] + d.markov_head(prev).to(base.dtype)
+                logits = base[:, k] + draft.markov_head(prev).to(base.dtype)
             else:  # bias only where it is needed: W2's rows of the candidates
-                e = d.markov_head.markov_w1(prev)  # [B, r]
-                w2 = d.markov_head.markov_w2.weight[index[:, k]]  # [B, k, r]
+                e = draft.markov_head.markov_w1(prev)  # [B, r]
+                w2 = draft.markov_head.markov_w2.weight[index[:, k]]  # [B, k, r]
                 corrected = values[:, k] + (w2 @ e[..., None].to(w2.dtype))[..., 0].to(values.dtype)
                 logits = base.new_full(base[:, k].shape, float("-inf")).scatter(1, index[:, k], corrected)
             x, q = self.sample(logits, sampling)

@@ -34,6 +34,7 @@ from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
 from trainer.drafts.shape import TargetShape
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
+from trainer.speculative import DraftSampler, Proposal, positions_from_mask, trailing_holes
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -114,8 +115,9 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
     def infer(self, x, cos, sin, past: tuple[torch.Tensor, torch.Tensor] | None, allowed: torch.Tensor):
-        """Decoding: x [B, T, 2H] new positions; past (K, V) [B, nkv, S, hd]; allowed [B, S+T, ...]
-        bool [B, 1, T, S+T]. Returns (out [B, T, H], (K, V) of the new positions)."""
+        """Decoding. x [B, T, 2H]: the new positions' inputs; past (keys, values) [B, nkv, S, hd]:
+        the committed positions'; allowed bool [B, 1, T, S+T]: which of the S+T keys each new
+        query attends. Returns (out [B, T, H], (keys, values) [B, nkv, T, hd] of the new positions)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
@@ -263,9 +265,7 @@ class Eagle3Proposer:
     parallel = False  # N chained draft steps a round
 
     def __init__(self, draft: Eagle3Draft, draft_sampling: str = "greedy", seed: int = 0):
-        from trainer.speculative import DraftSampler
-
-        self.d = draft.eval()
+        self.draft = draft.eval()
         self.sample = DraftSampler(draft, draft_sampling, seed)
         self.aux_layer_ids, self.target_ids = list(draft.config.aux_layer_ids), self.sample.target_ids
         self.max_draft_tokens = draft.config.max_draft_tokens
@@ -273,9 +273,7 @@ class Eagle3Proposer:
     @torch.no_grad()
     def _extend(self, tokens, aux, new_mask):
         """Commit positions: tokens [B, T] (the next token of each), aux [B, T, L*Ht], new_mask [B, T]."""
-        from trainer.speculative import positions_from_mask, trailing_holes
-
-        d = self.d
+        draft = self.draft
         mask = new_mask.bool() if self.mask is None else torch.cat([self.mask, new_mask.bool()], 1)  # [B, S+T]
         T = tokens.shape[1]
         pos = positions_from_mask(mask, T)  # target positions, holes skipped
@@ -284,11 +282,12 @@ class Eagle3Proposer:
         # causal among the new positions; every query sees its own key, so hole and padding
         # rows stay finite (a fully masked row would put NaN into the cache)
         allowed[..., -T:] = (allowed[..., -T:] & causal) | torch.eye(T, dtype=torch.bool, device=tokens.device)
-        hidden = d.fc(aux.to(d.fc.weight.dtype))
-        embeds = d.embed_tokens(tokens).to(hidden.dtype)
-        cos, sin = d.rotary(pos, hidden.dtype)
-        out, kv = d.midlayer.infer(embeds, hidden, cos, sin, self.past, allowed)
-        self.past = kv if self.past is None else (torch.cat([self.past[0], kv[0]], 2), torch.cat([self.past[1], kv[1]], 2))
+        hidden = draft.fc(aux.to(draft.fc.weight.dtype))
+        embeds = draft.embed_tokens(tokens).to(hidden.dtype)
+        cos, sin = draft.rotary(pos, hidden.dtype)
+        out, kv = draft.midlayer.infer(embeds, hidden, cos, sin, self.past, allowed)
+        self.past = kv if self.past is None else (torch.cat([self.past[0], kv[0]], 2),
+                                                  torch.cat([self.past[1], kv[1]], 2))
         self.mask = mask
         last = new_mask.long().cumsum(-1).argmax(-1)  # [B] last committed slot of each row
         rows = torch.arange(tokens.shape[0], device=tokens.device)
@@ -317,15 +316,13 @@ class Eagle3Proposer:
 
     @torch.no_grad()
     def propose(self, sequences, n: int, sampling):
-        from trainer.speculative import Proposal
-
-        d = self.d
+        draft = self.draft
         B = self.last_hidden.shape[0]
         hidden, pos = self.last_hidden[:, None], self.last_pos[:, None]  # [B, 1, H], [B, 1]
         past, mask = self.past, self.mask
         tokens, qs = [], []
         for j in range(n):
-            logits = d.lm_head(d.norm(hidden))[:, 0]  # [B, Vd]
+            logits = draft.lm_head(draft.norm(hidden))[:, 0]  # [B, Vd]
             x, q = self.sample(logits, sampling)
             tokens.append(x)
             qs.append(q)
@@ -334,8 +331,8 @@ class Eagle3Proposer:
             # chain step: (x, own hidden) at the next position, attending committed + chain entries
             pos = pos + 1
             mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.bool, device=mask.device)], 1)
-            cos, sin = d.rotary(pos, hidden.dtype)
-            hidden, kv = d.midlayer.infer(d.embed_tokens(x[:, None]).to(hidden.dtype), hidden, cos, sin, past,
+            cos, sin = draft.rotary(pos, hidden.dtype)
+            hidden, kv = draft.midlayer.infer(draft.embed_tokens(x[:, None]).to(hidden.dtype), hidden, cos, sin, past,
                                           mask[:, None, None, :])
             past = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
         return Proposal(torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1))
@@ -404,23 +401,21 @@ def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024) ->
     p = the target's next-token distribution over the draft vocabulary [B, T, Vd] at the
     positions training reads (the next token is an assistant token; 0 elsewhere), from the
     target LM head's draft rows only (Vd of V columns: the softmax over them equals the
-    full logits' draft columns softmaxed), and in_vocab [B, T] = "the target's greedy token
+    full logits' draft columns softmaxed, the family's logit transform applied as its forward does),
+    and in_vocab [B, T] = "the target's greedy token
     over its full vocabulary is in the draft vocabulary". Where it is not, no draft token can
     be accepted under greedy verification, so accuracy counts a miss even when the draft
     matches the restricted argmax. The greedy token is the capture's (target_argmax, from the
     full logits once at capture), so no [V]-wide logits are computed here."""
-    head = target.model.lm_head
     draft_ids = draft.draft_to_target()
-    rows = head.weight.index_select(0, draft_ids)  # [Vd, H]
-    bias = head.bias.index_select(0, draft_ids) if getattr(head, "bias", None) is not None else None
     last = batch["last_hidden_state"]
     B, T, _ = last.shape
     # training_step reads p[j] only where token j+1 is an assistant token: the rest stays 0
     need = shift_left(batch["loss_mask"], 1).bool()  # [B, T]
-    p = torch.zeros(B, T, rows.shape[0], dtype=torch.float32, device=last.device)
-    if need.any():
-        p[need] = torch.cat([torch.nn.functional.linear(target.backbone.norm(h.to(target.dtype)), rows, bias)
-                             .float().softmax(-1) for h in last[need].split(chunk)])
+    p = torch.zeros(B, T, draft_ids.numel(), dtype=torch.float32, device=last.device)
+    if need.any():  # the target's head rows of the draft vocabulary, and its family's logit transform
+        p[need] = torch.cat([target.head_logits(target.final_norm(h.to(target.dtype)), draft_ids).float().softmax(-1)
+                             for h in last[need].split(chunk)])
     in_vocab = draft.t2d[batch["target_argmax"].long().clamp(min=0)]  # [B, T] (padding: masked by the loss)
     return {"p": p, "in_vocab": in_vocab}
 

@@ -21,7 +21,9 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
+from trainer.drafts.registry import DRAFTS, build, get
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_save_safetensors, atomic_write_json, sha256_file
 from trainer.layer_ids import LAYER_ID_CONVENTION
@@ -59,8 +61,6 @@ def is_draft_dir(path: Path) -> bool:
 def read_config(path: str | Path) -> dict:
     """A trained draft folder's config.json, checked: what training wrote (the draft section's
     and the weights' sha256), at least one step, a known algorithm."""
-    from trainer.drafts import DRAFTS
-
     path = Path(path)
     if not is_draft_dir(path):
         raise DraftsmithError(f"'{path}' is not a trained draft folder (needs {CONFIG} and {WEIGHTS}); pass the "
@@ -89,8 +89,6 @@ def read_config(path: str | Path) -> dict:
 def module_shapes(algorithm: str, draft_cfg: dict) -> dict[str, tuple]:
     """The state-dict names and shapes of the draft `draft_cfg` builds (on the meta device:
     no memory): what a trained draft's file must hold, exactly."""
-    from trainer.drafts import get
-
     algo = get(algorithm)
     try:
         with torch.device("meta"):
@@ -103,8 +101,6 @@ def module_shapes(algorithm: str, draft_cfg: dict) -> dict[str, tuple]:
 def read_draft(path: str | Path) -> tuple[dict, dict]:
     """A trained draft folder -> (its config.json, its tensors by state-dict name), checked:
     the names are exactly the module's, every shape is what the draft section builds."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     cfg = read_config(path)
     try:
@@ -129,8 +125,6 @@ def read_draft(path: str | Path) -> tuple[dict, dict]:
 def load_draft(path: str | Path, target):
     """A trained draft folder -> (algorithm, its module) on the target's device, sharing the
     target's embedding. The folder must have been trained for this target."""
-    from trainer.drafts import build
-
     path = Path(path)
     cfg, state = read_draft(path)
     if cfg["target"]["sha256"] != target.content_hash:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 
@@ -38,34 +40,39 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (Su et al., 2021), the half-rotation layout of Llama/Qwen. x [B, h, T, hd]; cos/sin [B, T, hd]."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    """RoPE (Su et al., 2021), the half-rotation layout of Llama/Qwen. x [B, h, T, hd]; cos/sin [B, T, rd]:
+    the first rd <= hd dims rotate (partial rotary, as Phi-3/GPT-NeoX and vLLM's get_rope with a
+    rotary_dim do), the rest pass through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    rot, rest = x[..., :rd], x[..., rd:]
+    return torch.cat([rot * cos[:, None] + rotate_half(rot) * sin[:, None], rest], dim=-1)
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for integer positions, from the target's `rope_parameters`."""
+    """cos/sin tables for integer positions, from the target's `rope_parameters` (its
+    `partial_rotary_factor` too: the first head_dim x factor dims rotate, vLLM's rotary_dim)."""
 
     def __init__(self, head_dim: int, rope_parameters: dict, max_position_embeddings: int, hidden_size: int,
                  num_attention_heads: int):
         super().__init__()
-        from transformers import LlamaConfig
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
         hf = LlamaConfig(hidden_size=hidden_size, num_attention_heads=num_attention_heads, head_dim=head_dim,
                          max_position_embeddings=max_position_embeddings, rope_parameters=dict(rope_parameters))
         rope_type = hf.rope_parameters.get("rope_type", "default")
+        rotary_dim = int(head_dim * hf.rope_parameters.get("partial_rotary_factor", 1.0))
         if rope_type == "default":
             base = hf.rope_parameters["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+            inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
             scale = 1.0
-        else:
+        else:  # transformers' init functions honour partial_rotary_factor themselves
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scale = scale
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, hd]
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, rd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, rd]
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from trainer.errors import ConfigError
+from trainer.families import intermediate_size, norm_eps
 
 # The size a capture builds when nothing says otherwise (the EAGLE-3 reference's Vd).
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
@@ -59,15 +60,16 @@ class TargetShape:
     needs_own_head: ClassVar[bool] = False
 
     def fill_from_target(self, target_config, aux_layer_ids, data_vocab_size: int | None = None):
-        """Null shape fields from the target's text config; null aux_layer_ids from the
-        capture's choice; draft_vocab_size by the rule above (`data_vocab_size`: the size of
-        the vocabulary the capture built)."""
+        """Null shape fields from the target's text config (by the names its family gives them:
+        trainer/families.py); null aux_layer_ids from the capture's choice; draft_vocab_size by
+        the rule above (`data_vocab_size`: the size of the vocabulary the capture built)."""
         t = target_config
-        for name, value in (("hidden_size", t.hidden_size), ("intermediate_size", t.intermediate_size),
+        for name, value in (("hidden_size", t.hidden_size), ("intermediate_size", intermediate_size(t)),
                             ("num_attention_heads", t.num_attention_heads),
                             ("num_key_value_heads", getattr(t, "num_key_value_heads", None) or t.num_attention_heads),
                             ("head_dim", getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads),
-                            ("rms_norm_eps", t.rms_norm_eps), ("max_position_embeddings", t.max_position_embeddings),
+                            ("rms_norm_eps", self.rms_norm_eps or norm_eps(t)),
+                            ("max_position_embeddings", t.max_position_embeddings),
                             ("rope_parameters", flat_rope_parameters(t)),
                             ("target_hidden_size", t.hidden_size), ("vocab_size", t.vocab_size)):
             if getattr(self, name) is None:

@@ -1,12 +1,13 @@
 """Regenerate chat answers with the target in vLLM (continuous batching). Runs with the Python
 of a vLLM environment (it imports only vllm and the standard library, never draftsmith):
 
-    .vllm-venv/bin/python export/runners/vllm_regenerate.py --target HF_DIR --requests requests.json \
+    .vllm-venv/bin/python trainer/vllm/runners/vllm_regenerate.py --target HF_DIR --requests requests.json \
         --results results.jsonl --report report.json [--shard I --num-shards N]
 
 requests.json: {"conversations": [[{"role", "content"}, ...], ...] (the assistant turns are
 replaced, in order), "chat_template": Jinja text, "max_new_tokens", "temperature", "top_p",
-"top_k", "seed", "dtype", "max_model_len", "concurrency" (vLLM's max_num_seqs: requests decoded
+"top_k", "seed", "dtype", "max_model_len" (the bound on prompt + answer), "engine_max_model_len" (the
+engine's, when larger: a LongRoPE target), "concurrency" (vLLM's max_num_seqs: requests decoded
 together), "tensor_parallel_size", "prefix_caching", "enforce_eager" (null: on the CPU only),
 "logprobs" (top-k logprobs per generated token, 0: none), "truncated" (keep | drop: an answer cut
 at max_new_tokens ends its conversation under drop; an empty answer always does)}.
@@ -67,7 +68,8 @@ def main() -> None:
     eager = req.get("enforce_eager")
     llm = LLM(model=args.target, tokenizer=args.target, dtype=req.get("dtype", "float32"),
               enforce_eager=current_platform.is_cpu() if eager is None else eager,
-              max_model_len=req["max_model_len"], max_num_seqs=req.get("concurrency", 8), seed=req.get("seed", 0),
+              max_model_len=req.get("engine_max_model_len") or req["max_model_len"],
+              max_num_seqs=req.get("concurrency", 8), seed=req.get("seed", 0),
               tensor_parallel_size=req.get("tensor_parallel_size", 1),
               enable_prefix_caching=bool(req.get("prefix_caching", False)))
     tokenizer = llm.get_tokenizer()

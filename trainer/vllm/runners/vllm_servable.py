@@ -1,14 +1,18 @@
 """Ask the installed vLLM whether it can serve a draft for a target architecture. Runs with the
 Python of a vLLM environment (it imports only vllm and the standard library, never draftsmith):
 
-    .vllm-venv/bin/python export/runners/vllm_servable.py --architectures LlamaForCausalLM [...] --out result.json
-    .vllm-venv/bin/python export/runners/vllm_servable.py --all --out table.json     (every registered one)
+    .vllm-venv/bin/python trainer/vllm/runners/vllm_servable.py --architectures LlamaForCausalLM [...] --out result.json
+    .vllm-venv/bin/python trainer/vllm/runners/vllm_servable.py --all --out table.json     (every registered one)
 
 An EAGLE-3, DFlash or DSpark draft reads the target's aux hidden states, which vLLM takes only
 from a target class implementing `SupportsEagle3` (vllm/model_executor/models/interfaces.py;
 the model runner raises "Model does not support EAGLE3 interface" otherwise). result.json:
 {"vllm": version, "methods": the speculative methods this vLLM knows, "architectures":
-{arch: {"registered": bool, "supports_eagle3": bool}}}.
+{arch: {"registered": bool, "supports_eagle3": bool, "transformers_backend": bool}}}: the last
+where vLLM runs the target through its Transformers backend (vllm/model_executor/models/
+transformers/), whose inner `model` is the HF base model itself, so that a draft shares the
+target's embedding only where HF names it `embed_tokens` or `embedding`
+(v1/spec_decode/llm_base_proposer.py, _maybe_share_embeddings).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def main() -> None:
             try:
                 cls = ModelRegistry._try_load_model_cls(arch)  # imports that one model module
                 row["supports_eagle3"] = bool(cls is not None and supports_eagle3(cls))
+                row["transformers_backend"] = bool(cls is not None and
+                                                   cls.__module__.startswith("vllm.model_executor.models.transformers"))
             except Exception as err:  # a model whose optional dependencies are absent here
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         out[arch] = row

@@ -1,22 +1,30 @@
-"""Can the vLLM a user will serve with serve this algorithm's draft for this target? Asked at
-capture and training start (before hours of work) and at export (on the serve line).
+"""Can the vLLM a user will serve with serve drafts of this speculative method (vLLM's name: an
+exporter's METHOD) for this target? Asked at capture and training start (before hours of
+work) and at export (on the serve line).
 
 An EAGLE-3, DFlash or DSpark draft reads the target's aux hidden states, which vLLM takes only
 from a target class that implements `SupportsEagle3`
 (vllm/model_executor/models/interfaces.py; the model runner raises "Model does not support
 EAGLE3 interface" at load otherwise). The answer comes from the installed vLLM when there is
-one (export/runners/vllm_servable.py, through the runner pattern: the vLLM environment's
+one (trainer/vllm/runners/vllm_servable.py, through the runner pattern: the vLLM environment's
 Python), cached per vLLM install; otherwise from `vllm_servable_0.32.json`, recorded from
 vLLM 0.32.0's own registry by the same runner (`--all`), which names its version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.errors import DraftsmithError
+from trainer.families import embedding_name, is_longrope
+from trainer.io import atomic_write_json
+from trainer.target import TargetSource, cache_root, target_architectures, target_config
+from trainer.vllm.env import vllm_python
 
 RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_servable.py"
 TABLE = Path(__file__).resolve().parent / "vllm_servable_0.32.json"
@@ -29,16 +37,15 @@ class Servability:
 
 
 def _installed_report(architectures: list[str]) -> dict | None:
-    """The installed vLLM's answer (export/runners/vllm_servable.py), cached on disk per vLLM
+    """The installed vLLM's answer (trainer/vllm/runners/vllm_servable.py), cached on disk per vLLM
     install and architecture list; None without a vLLM environment or when it cannot answer."""
-    from export.vllm_env import vllm_python
-    from trainer.target import cache_root
-
     python = vllm_python()
     if python is None or not Path(python).exists():
         return None
     stamp = Path(python).resolve().parent.parent / "lib"  # the install: its site-packages change on reinstall
-    key = f"{Path(python).resolve()}|{stamp.stat().st_mtime_ns if stamp.exists() else 0}|{','.join(architectures)}"
+    asked = hashlib.sha256(RUNNER.read_bytes()).hexdigest()[:16]  # what the runner reports changes with it
+    key = (f"{Path(python).resolve()}|{stamp.stat().st_mtime_ns if stamp.exists() else 0}|{asked}|"
+           f"{','.join(architectures)}")
     cache = cache_root() / "servable.json"
     try:
         known = json.loads(cache.read_text()) if cache.is_file() else {}
@@ -61,8 +68,6 @@ def _installed_report(architectures: list[str]) -> dict | None:
     finally:
         out.unlink(missing_ok=True)
     known[key] = report
-    from trainer.io import atomic_write_json
-
     try:
         atomic_write_json(cache, known)
     except OSError:
@@ -70,12 +75,23 @@ def _installed_report(architectures: list[str]) -> dict | None:
     return report
 
 
-def servability(architectures: list[str], algorithm: str) -> Servability:
-    """Whether a draft of `algorithm` can be served for a target of `architectures` (its HF
-    config's), by the installed vLLM when there is one, else by the table recorded from 0.32."""
-    from export.formats import exporter
+# Methods whose vLLM draft cannot be built over a LongRoPE target: vLLM's DFlash (and DSpark, its
+# subclass) reads its rotary embedding's `cos_sin_cache` for the context keys
+# (qwen3_dflash.py), which the LongRoPE embedding (phi3_long_rope_scaled_rope.py) does not have.
+NO_LONGROPE = ("dflash", "dspark")
 
-    method = exporter(algorithm).METHOD
+
+# The names vLLM's proposer looks for the target's token embedding under, in its inner `model`
+# (v1/spec_decode/llm_base_proposer.py, _maybe_share_embeddings).
+SHARED_EMBEDDING_NAMES = ("embed_tokens", "embedding")
+
+
+def servability(architectures: list[str], method: str, longrope: bool = False,
+                embedding: str | None = None) -> Servability:
+    """Whether a draft of vLLM's speculative `method` can be served for a target of
+    `architectures` (its HF config's; `longrope`: its RoPE is LongRoPE; `embedding`: the
+    attribute its HF base model holds the token embedding under), by the installed vLLM when
+    there is one, else by the table recorded from 0.32."""
     archs = list(architectures or [])
     report = _installed_report(archs) if archs else None
     where = f"the installed vLLM {report['vllm']}" if report else None
@@ -89,6 +105,14 @@ def servability(architectures: list[str], algorithm: str) -> Servability:
     ok = [a for a, row in rows.items() if row.get("supports_eagle3")]
     if method not in report["methods"]:
         return Servability(False, f"{where} has no speculative method '{method}'")
+    if ok and embedding and embedding not in SHARED_EMBEDDING_NAMES and rows[ok[0]].get("transformers_backend"):
+        return Servability(False, f"{where} cannot serve {method} drafts for this target: it runs {ok[0]} through its "
+                                  f"Transformers backend, whose model names the token embedding '{embedding}', and "
+                                  "its proposer shares only an 'embed_tokens' or 'embedding' with the draft")
+    if ok and longrope and method in NO_LONGROPE:
+        return Servability(False, f"{where} cannot build a {method} draft for this target: {ok[0]} uses LongRoPE, "
+                                  f"and vLLM's {method} draft reads a cos_sin_cache its LongRoPE embedding lacks "
+                                  "(train an EAGLE-3 draft for it)")
     if ok:
         return Servability(True, f"{where} serves {method} drafts for {ok[0]} (it implements SupportsEagle3)")
     arch = archs[0]
@@ -98,17 +122,20 @@ def servability(architectures: list[str], algorithm: str) -> Servability:
                               "trained for it cannot be served there")
 
 
-def check_servable(target_spec: str, algorithms: list[str], require: bool, stage: str) -> list[str]:
-    """The servability of each algorithm for the target `target_spec` names, read from its config
-    alone (no weights: a stage asks before any work): one warning line each where it is not
-    servable (returned, for the stage to print), or with `require` an error."""
-    from trainer.errors import DraftsmithError
-    from trainer.target import target_architectures
+def target_servability(target: str | TargetSource, method: str) -> Servability:
+    """`servability` for a target, read from its config alone (no weights)."""
+    config = target_config(target)
+    return servability(target_architectures(target), method, is_longrope(config.get_text_config()),
+                       embedding_name(config))
 
-    archs = target_architectures(target_spec)
+
+def check_servable(target: str | TargetSource, methods: list[str], require: bool, stage: str) -> list[str]:
+    """The servability of each speculative method for the target, read from its config alone (no
+    weights: a stage asks before any work): one warning line each where it is not servable
+    (returned, for the stage to print), or with `require` an error."""
     warnings = []
-    for algorithm in algorithms:
-        s = servability(archs, algorithm)
+    for method in methods:
+        s = target_servability(target, method)
         if not s.servable:
             if require:
                 raise DraftsmithError(f"{stage}: {s.line} (require_servable=true; set it false to go on anyway)")

@@ -1,5 +1,5 @@
 """The vLLM environment draftsmith drives: where its Python is, the environment a runner gets,
-and running one (export/runners/*.py import only vllm, torch, safetensors and the standard
+and running one (trainer/vllm/runners/*.py import only vllm, torch, safetensors and the standard
 library, never draftsmith; vLLM lives in its own virtual environment, scripts/setup_vllm.sh).
 
 Data-parallel runners each get their own devices: runner i of N with T devices per engine sees
@@ -25,7 +25,7 @@ def vllm_python() -> str | None:
     env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
     if env:
         return env
-    local = Path(__file__).resolve().parent.parent / ".vllm-venv" / "bin" / "python"
+    local = Path(__file__).resolve().parents[2] / ".vllm-venv" / "bin" / "python"
     return str(local) if local.is_file() else None
 
 

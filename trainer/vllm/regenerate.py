@@ -1,4 +1,4 @@
-"""Regenerate chat answers through vLLM: the requests for export/runners/vllm_regenerate.py, its
+"""Regenerate chat answers through vLLM: the requests for trainer/vllm/runners/vllm_regenerate.py, its
 runners (one per data-parallel engine, each on its own devices), their results merged, and
 resume: the work lives in a folder named by the sha256 of the requests (the target, the chat
 template, the conversations and every setting), so a killed `draftsmith prepare` run again with
@@ -15,18 +15,20 @@ import json
 import os
 from pathlib import Path
 
-from export.vllm_env import RUNNERS, engine_devices, require_vllm_python, run_runners, runner_env
 from trainer.io import atomic_write_json
+from trainer.vllm.env import RUNNERS, engine_devices, require_vllm_python, run_runners, runner_env
 
 RUNNER = RUNNERS / "vllm_regenerate.py"
 
 
 def requests_for(conversations: list[list[dict]], chat_template: str, rg, max_model_len: int, seed: int,
-                 logprobs: int = 0) -> dict:
-    """The runner's requests.json (its docstring names each field)."""
+                 logprobs: int = 0, engine_max_model_len: int | None = None) -> dict:
+    """The runner's requests.json (its docstring names each field); `engine_max_model_len`: the
+    engine's own when it must exceed the answers' bound (a LongRoPE target: trainer/families.py)."""
     return {"conversations": conversations, "chat_template": chat_template, "max_new_tokens": rg.max_new_tokens,
             "temperature": rg.temperature, "top_p": rg.top_p, "top_k": rg.top_k, "seed": seed, "dtype": rg.dtype,
-            "max_model_len": max_model_len, "concurrency": rg.concurrency,
+            "max_model_len": max_model_len, "engine_max_model_len": engine_max_model_len or max_model_len,
+            "concurrency": rg.concurrency,
             "tensor_parallel_size": rg.tensor_parallel_size, "prefix_caching": rg.prefix_caching,
             "truncated": rg.truncated, "logprobs": logprobs}
 
@@ -37,7 +39,8 @@ def work_dir(root: Path, requests: dict) -> Path:
 
 
 def regenerate_in_vllm(target_dir: str, requests: dict, work: Path, data_parallel_size: int = 1,
-                       vllm_cache: Path | None = None, progress=None, timeout: float | None = None) -> tuple[list, dict]:
+                       vllm_cache: Path | None = None, progress=None,
+                       timeout: float | None = None) -> tuple[list, dict]:
     """Run the runners over `requests` in `work` (made, or continued), one per data-parallel
     engine; returns (the records, in conversation and turn order; the run report: vLLM's
     version, engine start seconds, generation seconds and tokens/s over the engines)."""

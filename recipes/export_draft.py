@@ -10,7 +10,7 @@ fc), and gate the FP8 draft on its acceptance.
            --num-draft-tokens N --draft-option K=V --no-gate --max-tau-drop F --overwrite; any field as key=value
 
 Without --num-draft-tokens, the serve command and the gate use the positions the draft was
-trained on (EAGLE-3: its TTT steps; DFlash: its block's B-1; DSpark: its block's B).
+trained on (EAGLE-3: its TTT steps; DFlash: its block's K-1; DSpark: its block's K).
 
 The FP8 gate decodes held-out prompts (greedy) with the in-tree decoder twice, with the
 BF16 export and with the FP8 one (FP8 weights dequantized, FP8 activation rounding
@@ -25,9 +25,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-from recipes._common import one_line_errors, parse_flags
+from export import formats, quark
+from recipes._common import load_proposer, one_line_errors, parse_flags, prompt_ids, target_for
 from trainer.config import ExportConfig, to_yaml
+from trainer.data.chat import read_template
+from trainer.data.evalsets import load_prompts
+from trainer.drafts.registry import get
 from trainer.errors import DraftsmithError
+from trainer.families import serve_max_model_len
+from trainer.io import fresh_output_dir, guard_output, publish_dir, write_run_files
+from trainer.speculative import measure
+from trainer.target import load_target, resolve_target
+from trainer.vllm.servable import target_servability
 
 FLAGS = {"--draft": ("draft", "the trained draft folder (recipes/train.py output_dir)"),
          "--output-dir": ("output_dir", "the export folder to write (refused if it exists, unless --overwrite)"),
@@ -54,38 +63,26 @@ SWITCHES = {"--overwrite": ("overwrite=true", "replace an existing output folder
 
 
 def run(cfg: ExportConfig, argv=None) -> dict:
-    from export import formats
-    from trainer.io import fresh_output_dir, publish_dir, write_run_files
-    from trainer.target import load_target
-
-    if cfg.quantize != "none" and cfg.gate:  # the gate's template, checked before any work
-        from trainer.data.chat import read_template
-
+    # resolve: the trained draft and its target (once: the one it records, unless --target names another)
+    out, draft_dir = Path(cfg.output_dir), Path(cfg.draft)
+    source = resolve_target(target_for(str(draft_dir), cfg.target))
+    # check, before any work: the gate's template, the output folder, what is asked of the format, servability
+    if cfg.quantize != "none" and cfg.gate:
         read_template(cfg.chat_template, "export --chat-template (the FP8 gate's prompts)")
-    out = Path(cfg.output_dir)
-    draft_dir = Path(cfg.draft)
-    from recipes._common import target_for
-    from trainer.drafts import get
-    from trainer.io import guard_output
-    from trainer.target import resolve_target
-
-    guard_output(out, [draft_dir, resolve_target(target_for(str(draft_dir), cfg.target)).path], "export",
-                 cfg.overwrite)
+    guard_output(out, [draft_dir, source.path], "export", cfg.overwrite)
     draft_cfg, state = formats.read_draft_dir(draft_dir)  # the module's tensors, as training wrote them
     if cfg.num_draft_tokens is None:  # serve what was trained
         cfg.num_draft_tokens = get(draft_cfg["algorithm"]).Config(**draft_cfg["draft"]).num_positions
     formats.check_export_options(draft_cfg["algorithm"], cfg.format, cfg.quantize, cfg.num_draft_tokens,
                                  draft_cfg["draft"], cfg.draft_options)
-    from export.servable import servability
-    from trainer.target import target_architectures
-
-    # whether vLLM serves it, from the target's config alone: require_servable refuses before any work
-    served = servability(target_architectures(target_for(str(draft_dir), cfg.target)), draft_cfg["algorithm"])
+    method = formats.exporter(draft_cfg["algorithm"]).METHOD
+    served = target_servability(source, method)  # from the target's config alone
     if not served.servable and cfg.require_servable:
         raise DraftsmithError(f"export: {served.line} (require_servable=true; set it false to go on anyway)")
     staging = fresh_output_dir(out, cfg.overwrite)  # refuses an existing output_dir before any work
     try:
-        target = load_target(target_for(str(draft_dir), cfg.target))
+        # produce: the export in a staging folder (BF16, or FP8 through Quark and its gate)
+        target = load_target(source)
         formats.check_against_target(draft_cfg, target, draft_dir)
         extra = {"command": "draftsmith export " + " ".join(argv or []),
                  "servable": {"servable": served.servable, "line": served.line}}
@@ -94,22 +91,24 @@ def run(cfg: ExportConfig, argv=None) -> dict:
                                             cfg.num_draft_tokens, draft_dir, extra, cfg.draft_options)
         else:
             manifest = export_fp8(cfg, staging, draft_cfg, state, target, draft_dir, extra)
+        # publish: the run files, the manifest over every file (last), the folder in one rename
         write_run_files(staging, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash}, argv,
                         stage="export")
+        if serve_max_model_len(target.model.config.get_text_config()):  # a LongRoPE target: its length named
+            manifest["serve_max_model_len"] = serve_max_model_len(target.model.config.get_text_config())
         manifest = formats.write_manifest(staging, {k: v for k, v in manifest.items() if k != "files"})
         publish_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest["serve"] = formats.serve_command(target.hf_dir, str(out), cfg.num_draft_tokens, manifest["method"])
+    manifest["serve"] = formats.serve_command(target.hf_dir, str(out), cfg.num_draft_tokens, manifest["method"],
+                                              manifest.get("serve_max_model_len"))
     return manifest
 
 
 def export_fp8(cfg: ExportConfig, staging: Path, draft_cfg: dict, state: dict, target, draft_dir: Path,
                extra: dict) -> dict:
     """BF16 export in a scratch dir -> Quark file-to-file FP8 into `staging` -> the gate."""
-    from export import formats, quark
-
     with tempfile.TemporaryDirectory(prefix="draftsmith-bf16-") as scratch:
         bf16 = Path(scratch) / "bf16"
         bf16.mkdir()
@@ -134,11 +133,6 @@ def export_fp8(cfg: ExportConfig, staging: Path, draft_cfg: dict, state: dict, t
 
 
 def fp8_gate(cfg: ExportConfig, bf16_dir: Path, fp8_dir: Path, manifest: dict, target) -> dict:
-    from export import formats
-    from recipes._common import load_proposer, prompt_ids
-    from trainer.data.evalsets import load_prompts
-    from trainer.speculative import measure
-
     # the FP8 folder is not complete yet: give load_export the manifest it checks
     formats.write_manifest(fp8_dir, {k: v for k, v in manifest.items() if k != "files"})
     prompts = prompt_ids(target, load_prompts(cfg.gate_dataset, cfg.gate_prompts), cfg.draft, cfg.chat_template,
@@ -166,7 +160,8 @@ def format_summary(m: dict) -> str:
     lines = [f"export: {m['algorithm']} draft for {m['target']['name']}, format {m['format']}, "
              f"{'FP8 ' + m['quantization']['scheme'] if m.get('quantization') else m['dtype']}",
              f"  aux layer ids {m['draft']['aux_layer_ids']} ({m['layer_id_convention']}), draft vocab "
-             f"{m['draft'].get('draft_vocab_size') or 'the target head'}, files: " + ", ".join(f"{k} ({v['bytes'] / 1e6:.1f} MB)"
+             f"{m['draft'].get('draft_vocab_size') or 'the target head'}, files: "
+             + ", ".join(f"{k} ({v['bytes'] / 1e6:.1f} MB)"
                                                                    for k, v in m["files"].items()
                                                                    if v["bytes"] > 100_000)]
     if m.get("size"):

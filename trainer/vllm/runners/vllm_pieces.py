@@ -6,7 +6,7 @@ its fc run: what a target vLLM cannot serve still proves the export builds).
 Runs with the Python of a vLLM environment (it imports only vllm, torch, safetensors and the
 standard library, never draftsmith):
 
-    .vllm-venv/bin/python export/runners/vllm_pieces.py --target HF_DIR --draft EXPORT_DIR \
+    .vllm-venv/bin/python trainer/vllm/runners/vllm_pieces.py --target HF_DIR --draft EXPORT_DIR \
         --inputs inputs.safetensors --out result.json [--dtype float32] [--num-speculative-tokens N]
 
 What runs is vLLM's code: the config it derives from the export (method detection, aux layer
@@ -45,15 +45,30 @@ import sys
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--inputs", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--jobs", help="a JSON list of jobs (the other flags' values, by their names)")
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--inputs")
+    ap.add_argument("--out")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-speculative-tokens", type=int, default=None)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.jobs:
+        with open(args.jobs) as f:
+            jobs = [argparse.Namespace(**{"dtype": "float32", "num_speculative_tokens": None, **job})
+                    for job in json.load(f)]
+    else:
+        if not all((args.target, args.draft, args.inputs, args.out)):
+            ap.error("--target, --draft, --inputs and --out (or --jobs)")
+        jobs = [args]
+    for i, job in enumerate(jobs):
+        run_job(job, first=i == 0)
 
+
+def run_job(args, first: bool) -> None:
+    """One export built, loaded and run (the module docstring); `first` sets up vLLM's
+    distributed state, which every later job in the process shares."""
     import torch
     import torch.nn.functional as F
     from safetensors import safe_open
@@ -83,7 +98,7 @@ def main() -> None:
         spec["num_speculative_tokens"] = args.num_speculative_tokens
     elif eagle3:
         spec["num_speculative_tokens"] = 3
-    elif not dspark:  # DFlash: vLLM needs N (DSpark takes its block); the block's B-1 slots
+    elif not dspark:  # DFlash: vLLM needs N (DSpark takes its block); the block's K-1 slots
         spec["num_speculative_tokens"] = draft_config["block_size"] - 1
     cfg = EngineArgs(model=args.target, tokenizer=args.target, dtype=args.dtype, enforce_eager=True,
                      max_model_len=512, speculative_config=spec).create_engine_config()
@@ -97,14 +112,15 @@ def main() -> None:
                "dspark_draft_topk": getattr(hf, "dspark_draft_topk", None),
                "quantization": sc.draft_model_config.quantization}
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
     with set_current_vllm_config(cfg):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
+        if first:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            sock.close()
+            init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                         local_rank=0, backend="gloo")
+            initialize_model_parallel(1, 1)
         with set_default_torch_dtype(cfg.model_config.dtype):  # as vLLM's model loader builds it
             model = initialize_model(vllm_config=cfg, model_config=sc.draft_model_config)  # via the registry
         want = Qwen3DSparkForCausalLM if dspark else Eagle3LlamaForCausalLM if eagle3 else DFlashQwen3ForCausalLM

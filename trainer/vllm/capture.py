@@ -1,6 +1,6 @@
 """Capture through vLLM: the target served by vLLM (its own environment; tensor, pipeline and data
 parallelism for targets beyond one device), its hidden states written by draftsmith's KV
-connector into the capture's own shards (export/runners/vllm_capture.py says how). The recipe
+connector into the capture's own shards (trainer/vllm/runners/vllm_capture.py says how). The recipe
 (recipes/capture.py) decides which shards are still to do (resume), writes their jobs here, and
 writes the manifest afterwards, exactly as for the transformers engine.
 
@@ -12,15 +12,18 @@ https://docs.vllm.ai/en/latest/serving/parallelism_scaling.html); draftsmith sta
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from transformers import AutoConfig
 
-from export.vllm_env import RUNNERS, engine_devices, require_vllm_python, run_runners, runner_env
 from trainer.data.shards import shard_name
+from trainer.families import served_max_model_len
 from trainer.io import atomic_write_json
+from trainer.vllm.env import RUNNERS, engine_devices, require_vllm_python, run_runners, runner_env
 
 RUNNER = RUNNERS / "vllm_capture.py"
 JOBS = ".vllm-jobs"
@@ -30,7 +33,8 @@ def write_jobs(out: Path, shards: dict[int, range], ds) -> Path:
     """One job file per shard to do: its samples' input_ids and loss_mask packed, cu_seqlens,
     sample_index (the prepared rows)."""
     jobs = out / JOBS
-    jobs.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(jobs, ignore_errors=True)  # a killed run's jobs: the runner does every job it finds
+    jobs.mkdir(parents=True)
     for k, rows in shards.items():
         sel = ds.select(rows)
         ids, masks = sel["input_ids"], sel["loss_mask"]
@@ -50,8 +54,9 @@ def capture_in_vllm(target_dir: str, out: Path, shards: dict[int, range], ds, la
     python = require_vllm_python("capture engine=vllm")
     jobs = write_jobs(out, shards, ds)
     longest = max((len(x) for rows in shards.values() for x in ds.select(rows)["input_ids"]), default=1)
+    engine_len = served_max_model_len(AutoConfig.from_pretrained(target_dir).get_text_config(), longest + 1)
     settings = {"aux_layer_ids": layer_ids, "num_layers": num_layers, "store_dtype": cfg.store_dtype,
-                "dtype": cfg.target_dtype, "max_model_len": longest + 1, "concurrency": cfg.concurrency,
+                "dtype": cfg.target_dtype, "max_model_len": engine_len, "concurrency": cfg.concurrency,
                 "tensor_parallel_size": cfg.tensor_parallel_size,
                 "pipeline_parallel_size": cfg.pipeline_parallel_size, "enforce_eager": None,
                 "max_num_batched_tokens": None}
@@ -59,8 +64,6 @@ def capture_in_vllm(target_dir: str, out: Path, shards: dict[int, range], ds, la
     N, T = cfg.data_parallel_size, cfg.tensor_parallel_size * cfg.pipeline_parallel_size
     cmds = [[python, str(RUNNER), "--target", str(target_dir), "--jobs", str(jobs), "--out", str(out), "--settings",
              str(jobs / "settings.json"), "--shard", str(i), "--num-shards", str(N)] for i in range(N)]
-    import os
-
     cpus = os.cpu_count() or 1
     envs = [runner_env(vllm_cache or out / JOBS / "vllm-cache", in_process=T == 1,
                        devices=engine_devices(i, T) if N > 1 else None, threads=max(1, cpus // N) if N > 1 else None)

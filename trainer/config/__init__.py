@@ -1,0 +1,21 @@
+"""Typed run configs: one dataclass schema per stage (a module each beside this one), loaded by
+`loader.load_config` (dataclass defaults <- YAML file <- `key=value` overrides; unknown keys
+are one line with a suggestion, cross-field checks in each schema's `validate()`). Every
+default lives in its schema, once.
+"""
+
+from trainer.config.capture import CaptureConfig
+from trainer.config.demo import DemoConfig
+from trainer.config.eval import NGRAM_DRAFT_TOKENS, EvalConfig
+from trainer.config.export import ExportConfig
+from trainer.config.loader import ConfigError, load_config, load_section, to_yaml
+from trainer.config.prepare import PrepareConfig, RegenerateConfig
+from trainer.config.train import TrainConfig
+from trainer.drafts.registry import DRAFTS
+
+# YAML file stem -> schema (recipes/configs/*/<stem>.yaml); a draft's training config is named after it.
+SCHEMAS = {"export": ExportConfig, "prepare": PrepareConfig, "eval": EvalConfig, "capture": CaptureConfig,
+           "demo": DemoConfig, **{name: TrainConfig for name in DRAFTS}}
+
+__all__ = ["SCHEMAS", "CaptureConfig", "ConfigError", "DemoConfig", "EvalConfig", "ExportConfig", "NGRAM_DRAFT_TOKENS",
+           "PrepareConfig", "RegenerateConfig", "TrainConfig", "load_config", "load_section", "to_yaml"]

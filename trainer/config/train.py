@@ -1,0 +1,113 @@
+"""The `train` stage's schema (recipes/train.py): a draft trained on a capture or online."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from trainer.config.loader import load_section
+from trainer.data.shards import STORE_DTYPES
+from trainer.drafts.registry import get
+from trainer.errors import ConfigError
+from trainer.layer_ids import check_layer_ids
+from trainer.target import DEFAULT_TARGET, TARGET_DTYPES
+
+ONLINE_ENGINES = ("hf", "vllm")
+
+
+@dataclass
+class OnlineConfig:
+    """Train without a capture: the target's hidden states made while the draft trains
+    (trainer/online/), handed over sample by sample through a bounded buffer."""
+
+    # null: train on a capture (data = its folder). hf: the target in the trainer's own processes
+    # (targets that fit beside the draft); vllm: the target served by vLLM in its own environment
+    # and devices, streaming to every trainer rank through Ray (targets of any size). data = a
+    # prepared folder either way.
+    engine: str | None = None
+    buffer_tokens: int = 65536  # tokens of states each trainer rank's buffer holds at most
+    store_dtype: str = "float32"  # the rounding a capture would apply: float32 | bfloat16 | float16 | float8_e4m3
+    target_dtype: str = "float32"  # the dtype the target runs in
+    max_tokens_per_batch: int = 4096  # hf: padded tokens per target forward (1: every sample alone)
+    draft_vocab_size: int | None = None  # the vocabulary built from the data; null: the draft's, else 32000
+    timeout_s: float = 600.0  # a producer that hands over nothing for this long ends the run
+    # Epochs after the first re-run the target, except for the first cache_tokens tokens' states,
+    # kept on local disk while the run lasts (0: none; the disk it costs: cache_tokens x bytes/token)
+    cache_tokens: int = 0
+    address: str | None = None  # vllm: a Ray cluster to join ("auto", host:port); null: one started here
+    devices: list[str] | None = None  # vllm: the producer's devices (null: the visible ones)
+    tensor_parallel_size: int = 1  # vllm: devices per engine
+    pipeline_parallel_size: int = 1  # vllm: pipeline stages per engine
+    data_parallel_size: int = 1  # vllm: producers side by side
+    concurrency: int = 8  # vllm: sequences an engine prefills together (its max_num_seqs)
+
+    @property
+    def enabled(self) -> bool:
+        return self.engine is not None
+
+
+@dataclass
+class TrainConfig:
+    """`recipes/train.py`: a draft trained on a capture (offline) or online, its states made by
+    the target while it trains (`online.engine`)."""
+
+    data: str = MISSING  # a capture folder, or with online.engine set a prepared-data folder
+    output_dir: str = MISSING
+    algorithm: str = "eagle3"  # a key of trainer.drafts.registry.DRAFTS
+    target: str = DEFAULT_TARGET
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+    # The draft's shape and objective: the `Config` of the chosen algorithm's module
+    # (trainer/drafts/<algorithm>.py), checked against that schema at load time.
+    draft: dict[str, Any] = field(default_factory=dict)
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; caps epochs
+    max_samples: int | None = None  # train on the first N samples of the data only (a data budget); null: all
+    batch_size: int = 1  # samples per process per micro-batch
+    gradient_accumulation_steps: int = 1
+    max_length: int = 2048  # samples are truncated to this many tokens
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    max_grad_norm: float = 0.5
+    mixed_precision: str = "auto"  # auto: bf16 on an accelerator, fp32 on CPU; or "no" | "bf16"
+    gradient_checkpointing: bool = False
+    save_every: int = 100  # optimizer steps between `save_state` checkpoints
+    keep_last: int = 2  # checkpoints kept
+    resume: str | None = None  # "latest" or a checkpoint directory
+    log_every: int = 10
+    seed: int = 0
+    overwrite: bool = False
+    require_servable: bool = False  # as capture's: an error, not a warning, when vLLM cannot serve the draft
+
+    def validate(self) -> None:
+        self.draft = load_section(get(self.algorithm).Config, self.draft, "draft")
+        o = self.online
+        if o.engine is not None and o.engine not in ONLINE_ENGINES:
+            raise ConfigError(f"online.engine={o.engine!r}; use hf or vllm (or null to train on a capture)")
+        if o.store_dtype not in STORE_DTYPES or o.target_dtype not in TARGET_DTYPES:
+            raise ConfigError(f"online.store_dtype is one of {', '.join(STORE_DTYPES)}, online.target_dtype one of "
+                              f"{', '.join(TARGET_DTYPES)}")
+        if min(o.buffer_tokens, o.max_tokens_per_batch, o.tensor_parallel_size, o.pipeline_parallel_size,
+               o.data_parallel_size, o.concurrency) < 1 or o.timeout_s <= 0 or o.cache_tokens < 0:
+            raise ConfigError("online.buffer_tokens, max_tokens_per_batch, tensor/pipeline/data_parallel_size and "
+                              "concurrency must be >= 1, online.timeout_s > 0, online.cache_tokens >= 0")
+        if o.engine == "hf" and (o.address or o.devices or max(o.tensor_parallel_size, o.pipeline_parallel_size,
+                                                                o.data_parallel_size) > 1):
+            raise ConfigError("online.address, devices and tensor/pipeline/data_parallel_size are online.engine=vllm "
+                              "settings; the hf engine runs in each trainer process")
+        if self.draft.aux_layer_ids is not None:
+            check_layer_ids(self.draft.aux_layer_ids, "draft.aux_layer_ids")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ConfigError(f"mixed_precision={self.mixed_precision!r}; use auto, no, bf16 or fp16")
+        for key in ("epochs", "batch_size", "gradient_accumulation_steps", "save_every", "keep_last",
+                    "log_every", "max_length"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps={self.max_steps}; use >= 1, or null to train `epochs` full epochs")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ConfigError(f"max_samples={self.max_samples}; use >= 1, or null for every sample of the data")
+        if self.learning_rate <= 0 or self.warmup_steps < 0 or self.max_grad_norm < 0:
+            raise ConfigError("learning_rate must be > 0, warmup_steps and max_grad_norm >= 0")

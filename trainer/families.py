@@ -1,0 +1,182 @@
+"""A target's parts found by their role, one adapter for every family shape: the token embedding,
+the decoder layers, the final norm, the LM head, what the family does to its logits, and the
+config fields a draft takes under the names each family gives them. Everything draftsmith
+computes from a target (its states, its logits, a draft's labels) goes through these, so a
+family is handled once, here, or refused before any work in one line naming what it lacks.
+
+Roles (transformers' own accessors first, then the attribute names the families use):
+    embedding    get_input_embeddings()                       embed_tokens | embed_in | wte
+    layers       the decoder's module list                    layers | h | blocks
+    final norm   the norm on the last layer's output          norm | final_layer_norm | ln_f | norm_f
+    head         get_output_embeddings()                      lm_head | embed_out
+
+Logit transforms (what the family's own forward does after its head, and vLLM's logits
+processor with it: granite.py, gemma2.py, cohere.py, minicpm.py): Granite divides by
+`logits_scaling`; Gemma-2/3 soft-cap at `final_logit_softcapping`; Cohere multiplies by
+`logit_scale`; MiniCPM divides by hidden_size / dim_model_base; Falcon-H1 multiplies by
+`lm_head_multiplier`. Embedding, residual and attention multipliers (Granite, Gemma's
+sqrt(H)) live inside the target's forward and so in its states; a draft embeds with the raw
+embedding matrix, as vLLM shares it (trainer.target.Target.token_embedding).
+
+LongRoPE (Phi-3.5, Phi-3-128k): vLLM uses the long factors at every position whenever the
+served max_model_len exceeds `original_max_position_embeddings` (its default for these
+models; vllm/model_executor/layers/rotary_embedding/phi3_long_rope_scaled_rope.py), where HF
+switches by sequence length. draftsmith computes the target as vLLM serves it by default:
+`as_served` sets the short factors to the long ones, for the target, its states, the draft
+(trained and exported with that one set, so vLLM's choice cannot differ) and the in-tree
+decoder alike; vLLM runners are given a max_model_len above the original length.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from trainer.errors import TargetError
+
+EMBEDDING_NAMES = ("embed_tokens", "embed_in", "wte", "word_embeddings")
+LAYER_NAMES = ("layers", "h", "blocks")
+NORM_NAMES = ("norm", "final_layer_norm", "ln_f", "norm_f", "final_layernorm")
+EPS_NAMES = ("rms_norm_eps", "norm_epsilon", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+
+
+@dataclass
+class TargetParts:
+    decoder: nn.Module  # the base model (embedding, layers, final norm)
+    embedding: nn.Module
+    layers: nn.ModuleList
+    final_norm: nn.Module
+    head: nn.Module
+    logits: Callable[[torch.Tensor], torch.Tensor]  # the family's transform of the head's output
+
+
+def _named(module: nn.Module, names, what: str, model_type: str):
+    for name in names:
+        found = getattr(module, name, None)
+        if found is not None:
+            return found
+    raise TargetError(f"target family '{model_type}': no {what} found (looked for {', '.join(names)} on "
+                      f"{type(module).__name__}); draftsmith cannot train drafts for it")
+
+
+def find_parts(model: nn.Module) -> TargetParts:
+    """The target's parts by role, or one line naming the one that is missing."""
+    cfg = model.config.get_text_config()
+    kind = getattr(cfg, "model_type", type(model).__name__)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        raise TargetError(f"target family '{kind}': {type(model).__name__} has no decoder model inside (not a "
+                          "causal LM with a base model); draftsmith cannot train drafts for it")
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embedding = embedding if embedding is not None else _named(decoder, EMBEDDING_NAMES, "token embedding", kind)
+    layers = _named(decoder, LAYER_NAMES, "decoder layers", kind)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise TargetError(f"target family '{kind}': its decoder layers are not a module list; draftsmith cannot "
+                          "train drafts for it")
+    norm = _named(decoder, NORM_NAMES, "final norm", kind)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise TargetError(f"target family '{kind}': {type(model).__name__} has no LM head; draftsmith cannot train "
+                          "drafts for it")
+    return TargetParts(decoder, embedding, layers, norm, head, logit_transform(cfg))
+
+
+def embedding_name(config) -> str:
+    """The attribute the family's base model holds its token embedding under (built on the meta
+    device from the config: no weight read)."""
+    try:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as err:
+        raise TargetError(f"target family '{config.model_type}': transformers builds no causal LM from its config "
+                          f"({str(err).splitlines()[0]})") from None
+    parts = find_parts(model)
+    return next(name for name, module in parts.decoder.named_children() if module is parts.embedding)
+
+
+def logit_transform(cfg) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the family's forward does to its head's output (the module docstring); identity for
+    most families."""
+    scaling = getattr(cfg, "logits_scaling", None)  # Granite
+    softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma-2/3
+    scale = getattr(cfg, "logit_scale", None)  # Cohere
+    multiplier = getattr(cfg, "lm_head_multiplier", None)  # Falcon-H1
+    base = getattr(cfg, "dim_model_base", None)  # MiniCPM
+    factor = 1.0
+    if scaling:
+        factor /= scaling
+    if scale:
+        factor *= scale
+    if multiplier:
+        factor *= multiplier
+    if base and getattr(cfg, "model_type", "") in ("minicpm", "minicpm3"):
+        factor /= cfg.hidden_size / base
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        if factor != 1.0:
+            logits = logits * factor
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    return transform
+
+
+def norm_eps(cfg) -> float:
+    """The target's norm epsilon, under whichever name its family gives it; 1e-5 (torch's
+    LayerNorm default, what OLMo and OPT hard-code) where its config names none. A draft's norms
+    are its own: the value only has to be the one its export writes."""
+    for name in EPS_NAMES:
+        value = getattr(cfg, name, None)
+        if value is not None:
+            return float(value)
+    return 1e-5
+
+
+def intermediate_size(cfg) -> int:
+    """The target's MLP width (GPT-2 names it n_inner, None meaning 4 H)."""
+    for name in ("intermediate_size", "n_inner", "ffn_hidden_size"):
+        value = getattr(cfg, name, None)
+        if value:
+            return int(value)
+    return 4 * cfg.hidden_size
+
+
+def is_longrope(cfg) -> bool:
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return isinstance(rope, dict) and rope.get("rope_type") == "longrope"
+
+
+def as_served(config):
+    """The target's config as vLLM serves it by default (the module docstring): a LongRoPE target's
+    short factors replaced by its long ones. Other configs are returned as they are."""
+    text = config.get_text_config()
+    if not is_longrope(text):
+        return config
+    config = copy.deepcopy(config)
+    rope = config.get_text_config().rope_parameters
+    rope["short_factor"] = list(rope["long_factor"])
+    return config
+
+
+def served_max_model_len(cfg, needed: int) -> int:
+    """The max_model_len a vLLM runner gets: what it needs, and for a LongRoPE target above the
+    original length, so that vLLM uses the long factors as draftsmith does."""
+    if is_longrope(cfg):
+        return max(needed, int(cfg.rope_parameters["original_max_position_embeddings"]) + 1)
+    return needed
+
+
+def serve_max_model_len(cfg) -> int | None:
+    """The --max-model-len a serve line names: for a LongRoPE target, its full length (vLLM's
+    default, and above the original length: the long factors draftsmith trained with); None for
+    every other target (vLLM's default is right)."""
+    if not is_longrope(cfg):
+        return None
+    return served_max_model_len(cfg, int(cfg.max_position_embeddings))

@@ -1,0 +1,16 @@
+"""vLLM's wing: everything draftsmith does by driving a vLLM engine, which lives in its own
+virtual environment (scripts/setup_vllm.sh, or DRAFTSMITH_VLLM_PYTHON).
+
+    env.py        where vLLM's Python is, the environment a runner gets, running runners side by side
+    capture.py    capture through vLLM (extract_hidden_states + draftsmith's KV connector)
+    regenerate.py regeneration through vLLM (continuous batching, resumable)
+    servable.py   whether the installed (or a recorded) vLLM serves a method's drafts for a target
+    checks.py     the proofs: generation with a draft and vLLM's counters; vLLM's draft classes
+                  built from an export and run piece by piece
+    runners/      the scripts vLLM's Python runs by path: they import only vllm, torch,
+                  safetensors and the standard library (vllm_capture.py also draftsmith's
+                  shard writer, trainer/data/shards.py), never the rest of draftsmith
+
+Everything here talks to vLLM through a runner process, never by importing vllm: draftsmith's
+own environment has no vLLM, and a runner's crash or hang is a line naming its log.
+"""

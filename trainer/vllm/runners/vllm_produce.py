@@ -1,0 +1,116 @@
+"""Stream a target's hidden states from vLLM to a training run (online training, no capture on
+disk). Runs with the Python of a vLLM environment, with the same Ray version as the trainer's:
+
+    .vllm-venv/bin/python trainer/vllm/runners/vllm_produce.py --address RAY_ADDRESS --channel NAME \
+        --target HF_DIR --settings settings.json --staging DIR [--trainer-pid PID]
+
+It joins the run's Ray cluster, finds the run's channel (trainer/online/channel.py, made by the
+trainer), and loops: take the oldest requests (a chunk of `concurrency` x 4), compute their
+states in one vLLM pass (draftsmith_states.py: extract_hidden_states + draftsmith's connector;
+the states' files live in `--staging` only until read, a chunk at a time), and deliver each
+sample to its trainer rank in request order, waiting while that rank's buffer is full. It
+reports its tokens/s and how long it waited on full buffers (which side is the bottleneck).
+
+It stops when the channel closes, when the channel is gone (the trainer died: Ray collects
+the actor with its owner), or when `--trainer-pid` no longer runs. settings.json: the
+StatesEngine settings (draftsmith_states.py) plus "ranks". Imports vllm, torch, safetensors,
+ray, the standard library and draftsmith's shard writer and wire format (trainer/data/shards.py,
+trainer/online/wire.py), found beside this folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--channel", required=True)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--settings", required=True)
+    ap.add_argument("--staging", required=True)
+    ap.add_argument("--trainer-pid", type=int, default=None)
+    args = ap.parse_args()
+    with open(args.settings) as f:
+        settings = json.load(f)
+    sys.path.insert(0, str(HERE))  # the connector and the states engine
+    sys.path.insert(1, str(HERE.parents[2]))  # draftsmith's shard writer and wire format
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])  # TP workers too
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+    import ray
+    import torch
+    import vllm
+    from draftsmith_states import StatesEngine
+
+    from trainer.online.wire import encode
+
+    ray.init(address=args.address, namespace="draftsmith", log_to_driver=False)
+    channel = ray.get_actor(args.channel, namespace="draftsmith")
+    t0 = time.perf_counter()
+    engine = StatesEngine(args.target, settings, Path(args.staging))
+    stats = {"engine": "vllm", "version": vllm.__version__, "engine_start_s": time.perf_counter() - t0,
+             "tokens": 0, "compute_s": 0.0, "blocked_s": 0.0, "pid": os.getpid()}
+
+    def report() -> None:
+        busy = stats["compute_s"] + stats["blocked_s"]
+        stats["tokens_per_s"] = stats["tokens"] / stats["compute_s"] if stats["compute_s"] else 0.0
+        stats["blocked_fraction"] = stats["blocked_s"] / busy if busy else 0.0
+        channel.report.remote(dict(stats))
+
+    def trainer_alive() -> bool:
+        if args.trainer_pid is None:
+            return True
+        try:
+            os.kill(args.trainer_pid, 0)
+            return True
+        except OSError:
+            return False
+
+    report()
+    chunk, n = max(4 * settings["concurrency"], 8), 0
+    try:
+        while trainer_alive():
+            requests = ray.get(channel.next_requests.remote(chunk, 1.0))
+            if requests is None:  # closed: the run is over
+                break
+            if not requests:
+                report()
+                continue
+            n += 1
+            t1 = time.perf_counter()
+            samples = engine.states([torch.tensor(r[4]) for r in requests], f"chunk{n}")
+            stats["compute_s"] += time.perf_counter() - t1
+            for (rank, epoch, seq, index, _), sample in zip(requests, samples):
+                item = {**encode(sample), "seq": seq, "index": index}
+                t2 = time.perf_counter()
+                while True:
+                    tokens = int(sample["input_ids"].numel())
+                    done = ray.get(channel.deliver.remote(rank, epoch, seq, item, tokens, 1.0))
+                    if done is not False or not trainer_alive():
+                        break
+                stats["blocked_s"] += time.perf_counter() - t2
+                if done is None:
+                    break
+                stats["tokens"] += int(sample["input_ids"].numel())
+            report()
+            if 0 < int(os.environ.get("DRAFTSMITH_FAULT_PRODUCER_AFTER_CHUNKS", "0")) <= n:
+                os._exit(17)  # tests: a producer that dies mid-run
+            stall = float(os.environ.get("DRAFTSMITH_FAULT_PRODUCER_STALL_S", "0"))
+            if stall and n == 1:
+                time.sleep(stall)  # tests: a producer that stalls
+    except ray.exceptions.RayActorError:
+        pass  # the channel went with its trainer: nothing is left to produce for
+    print(json.dumps({"producer": "stopped", **stats}), file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
