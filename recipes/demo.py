@@ -23,10 +23,12 @@ from recipes import eval as eval_recipe
 from recipes import export_draft as export_recipe
 from recipes._common import one_line_errors, parse_args
 from trainer.config import DemoConfig, EvalConfig, ExportConfig
+from trainer.data.chat import template_file
+from trainer.data.evalsets import dataset_file
 from trainer.data.sources import resolve_source, source_entries
 from trainer.drafts.registry import get
 from trainer.errors import DraftsmithError
-from trainer.io import guard_output
+from trainer.io import claim_output, ensure_dir, guard_output
 from trainer.target import resolve_target
 
 
@@ -59,13 +61,15 @@ def stage_configs(cfg: DemoConfig, out: Path) -> tuple[dict, dict[str, ExportCon
 
 def run(cfg: DemoConfig, argv: list[str] | None = None) -> dict:
     # check, before any work: the output folder, and every stage's config
-    out = guard_output(cfg.output_dir, [resolve_target(cfg.target).path,
-                                        *(resolve_source(name) for name, _ in source_entries(cfg.prepare.source))],
-                       "demo", cfg.overwrite)
+    sources = [resolve_source(name) for name, _ in source_entries(cfg.prepare.source)]
+    inputs = [resolve_target(cfg.target).path, *sources, dataset_file(cfg.eval_dataset),
+              template_file(cfg.prepare.chat_template)]
+    out = guard_output(cfg.output_dir, inputs, "demo", cfg.overwrite)
     if out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise DraftsmithError(f"demo output_dir '{out}' holds an earlier run; pass overwrite=true to replace it "
                               "(make demo ARGS=overwrite=true) or output_dir=another/folder")
     stages, exports = stage_configs(cfg, out)
+    claim_output(ensure_dir(out), "demo")  # only a folder the demo marked is ever replaced by a demo
 
     t0 = time.perf_counter()
     p, c, t = stages["prepare"], stages["capture"], stages["train"]

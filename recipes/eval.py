@@ -31,8 +31,8 @@ from recipes._common import (
     target_for,
 )
 from trainer.config import EvalConfig, to_yaml
-from trainer.data.chat import read_template
-from trainer.data.evalsets import load_prompts
+from trainer.data.chat import read_template, template_file
+from trainer.data.evalsets import dataset_file, load_prompts
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, ensure_dir, guard_output, write_run_files
 from trainer.metrics import CostModel, best_num_draft_tokens
@@ -139,9 +139,7 @@ def check_output_dir(cfg: EvalConfig, source) -> Path:
     export it measures, which records the report), only ever an eval folder (eval replaces its
     own report by default, nothing else), and, unless overwrite, hold no earlier report."""
     draft = None if cfg.draft == "ngram" else cfg.draft
-    dataset = cfg.dataset.split(":", 1)[1] if cfg.dataset.startswith("jsonl:") else None
-    template = cfg.chat_template if cfg.chat_template and "{" not in cfg.chat_template else None
-    guard_output(cfg.output_dir, [draft, dataset, template, source.path],
+    guard_output(cfg.output_dir, [draft, dataset_file(cfg.dataset), template_file(cfg.chat_template), source.path],
                  "eval", overwrite=True, allow_inside=[draft] if draft else [])
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():

@@ -28,8 +28,8 @@ from pathlib import Path
 from export import formats, quark
 from recipes._common import load_proposer, one_line_errors, parse_flags, prompt_ids, target_for
 from trainer.config import ExportConfig, to_yaml
-from trainer.data.chat import read_template
-from trainer.data.evalsets import load_prompts
+from trainer.data.chat import read_template, template_file
+from trainer.data.evalsets import dataset_file, load_prompts
 from trainer.drafts.registry import get
 from trainer.errors import DraftsmithError
 from trainer.families import serve_max_model_len
@@ -69,7 +69,8 @@ def run(cfg: ExportConfig, argv=None) -> dict:
     # check, before any work: the gate's template, the output folder, what is asked of the format, servability
     if cfg.quantize != "none" and cfg.gate:
         read_template(cfg.chat_template, "export --chat-template (the FP8 gate's prompts)")
-    guard_output(out, [draft_dir, source.path], "export", cfg.overwrite)
+    gate_inputs = [dataset_file(cfg.gate_dataset), template_file(cfg.chat_template)] if cfg.quantize != "none" else []
+    guard_output(out, [draft_dir, source.path, *gate_inputs], "export", cfg.overwrite)
     draft_cfg, state = formats.read_draft_dir(draft_dir)  # the module's tensors, as training wrote them
     if cfg.num_draft_tokens is None:  # serve what was trained
         cfg.num_draft_tokens = get(draft_cfg["algorithm"]).Config(**draft_cfg["draft"]).num_positions

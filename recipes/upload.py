@@ -15,6 +15,7 @@ file with its size and sha256, then the card. The token comes from HF_TOKEN or
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from export import hub
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--allow-extra-files", action="store_true",
                     help="also upload files added to the export after it was made (refused otherwise)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args.export_dir = os.path.expanduser(args.export_dir)
 
     plan = hub.plan_upload(args.export_dir, args.repo, args.base_model, args.allow_extra_files)
     visibility = "private" if args.private else "public"

@@ -261,3 +261,48 @@ def test_overwrite_replaces_what_a_killed_run_of_the_same_stage_left(own, tiny_t
     (users / "notes.txt").write_text("mine")
     _unchanged(lambda: one_line_error(capsys, capture.main, [f"data={own['prepared']}", f"output_dir={users}", t,
                                                              "overwrite=true"], "was not written by draftsmith"), users)
+
+
+def test_the_gates_files_and_the_demos_inputs_are_inputs_too(own, tiny_target_dir, trained_and_export, tmp_path,
+                                                             capsys):
+    """Inputs a stage reads besides its main one: the FP8 gate's prompt file and template, the
+    demo's eval file and template; and a demo replaces only a folder a demo wrote."""
+    from recipes import demo
+
+    draft, export = trained_and_export
+    old = tmp_path / "old-export"  # an export (overwrite may replace it) that holds the gate's own files
+    shutil.copytree(export, old)
+    gate = write_jsonl(old / "gate.jsonl", [{"prompt": "Say hi."}, {"prompt": "Count to three."}])
+    (old / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    for extra in (["--gate-dataset", f"jsonl:{gate}"], ["--chat-template", str(old / "t.jinja"), "--no-gate"]):
+        _unchanged(lambda extra=extra: one_line_error(
+            capsys, export_recipe.main, ["--draft", str(draft), "--output-dir", str(old), "--quantize", "fp8",
+                                         f"target={tiny_target_dir}", "--overwrite", *extra], "an input"), old)
+    # a demo's output folder that holds a user's own prepared data (no demo mark): never replaced
+    mine = tmp_path / "mine"
+    shutil.copytree(own["prepared"], mine / "prepared")
+    _unchanged(lambda: one_line_error(capsys, demo.main, [f"output_dir={mine}", f"target={tiny_target_dir}",
+                                                          "overwrite=true"], "not written by draftsmith demo"), mine)
+    # nor the folder the demo's eval prompts come from
+    (tmp_path / "evals").mkdir()
+    evals = write_jsonl(tmp_path / "evals" / "e.jsonl", [{"prompt": "Say hi."}])
+    _unchanged(lambda: one_line_error(capsys, demo.main, [f"output_dir={evals.parent}", f"target={tiny_target_dir}",
+                                                          f"eval_dataset=jsonl:{evals}", "overwrite=true"],
+                                      "an input"), evals.parent)
+
+
+def test_a_home_relative_path_means_the_same_place_everywhere(own, tiny_target_dir, tmp_path, monkeypatch, capsys):
+    """`~` in any path setting is the user's home, on the input side and the output side alike:
+    never a folder named `~` under the working directory, never a way around the input guard."""
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copytree(own["capture"], home / "cap")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    _unchanged(lambda: one_line_error(capsys, train.main, ["--config", str(TINY_EAGLE3), "data=~/cap",
+                                                           "output_dir=~/cap", f"target={tiny_target_dir}",
+                                                           "overwrite=true"], "is an input"), home / "cap")
+    prepare.main([f"source={own['src']}", "output_dir=~/p", f"target={tiny_target_dir}", "max_records=4"])
+    assert (home / "p" / "summary.json").is_file() and not (work / "~").exists()

@@ -81,7 +81,7 @@ def ensure_dir(path: str | Path, what: str = "output_dir") -> Path:
 # before it was recorded are known by these files).
 STAGE_MARKERS = {"prepare": ("summary.json",), "capture": ("capture_state.json", "manifest.json"),
                  "export": ("draftsmith_export.json",), "train": ("train_report.json", "checkpoints"),
-                 "eval": ("report.json",), "demo": ("prepared", "capture")}
+                 "eval": ("report.json",)}  # a demo folder is known only by its mark (claim_output)
 
 
 STAGE_FILE = ".draftsmith-stage"  # written when a long stage starts writing into its folder
@@ -110,7 +110,7 @@ def stage_of(folder: Path) -> str | None:
     if stage:
         return stage
     for name, files in STAGE_MARKERS.items():
-        if any((folder / f).exists() for f in files) and (name == "demo" or (folder / "provenance.json").is_file()):
+        if any((folder / f).exists() for f in files) and (folder / "provenance.json").is_file():
             return name
     return None
 
@@ -121,13 +121,16 @@ def guard_output(out: str | Path, inputs, stage: str, overwrite: bool, allow_ins
     what it reads; and an existing, non-empty one is replaced (`overwrite`) only when draftsmith
     wrote it for the same stage. `allow_inside`: inputs the output may sit inside (eval's report
     folder within the export it measures, which records it). One line naming both paths."""
-    out = Path(out)
+    out = Path(out).expanduser()  # as every input is: `~` means one place on both sides
     target = out.resolve()
     for given in inputs:
         if given is None:
             continue
         p = Path(given).expanduser()
-        if not p.exists():
+        try:
+            if not p.exists():
+                continue
+        except OSError:  # a name no file can have (too long): not an input on disk
             continue
         src = p.resolve()
         inside_allowed = any(Path(a).resolve() == src for a in allow_inside) and target != src \

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -122,6 +124,33 @@ def check_finite(obj: Any, prefix: str = "") -> None:
         check_finite(value, f"{prefix}{f.name}.")
 
 
+_HOME = re.compile(r"~[^/\s]*(/|$)")  # `~` or `~user`, then a separator or the end
+
+
+def expand_home(obj: Any) -> None:
+    """Expand a leading `~` (as a shell would) in every string field of a config, nested ones
+    and lists too, in this one place: a path given quoted, from YAML or from zsh means the same
+    folder to the stage that reads it and to the one that writes it. `jsonl:~/x` keeps its prefix."""
+    if not dataclasses.is_dataclass(obj):
+        return
+
+    def expand(value):
+        if isinstance(value, str):
+            prefix, _, rest = value.partition(":") if value.startswith(("jsonl:", "json:")) else ("", "", value)
+            if _HOME.match(rest):
+                rest = os.path.expanduser(rest)
+            return f"{prefix}:{rest}" if prefix else rest
+        if isinstance(value, list):
+            return [expand(v) for v in value]
+        if isinstance(value, dict):
+            return {k: expand(v) for k, v in value.items()}
+        expand_home(value)
+        return value
+
+    for f in dataclasses.fields(obj):
+        setattr(obj, f.name, expand(getattr(obj, f.name)))
+
+
 def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """Build a `schema` instance from its defaults, an optional YAML file and overrides."""
     cfg: DictConfig = OmegaConf.structured(schema)
@@ -153,6 +182,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
     except OmegaConfBaseException as err:
         raise ConfigError(f"{getattr(err, 'full_key', '?')}: {getattr(err, 'msg', err)}") from None
     check_finite(obj)
+    expand_home(obj)
     validate = getattr(obj, "validate", None)
     if callable(validate):
         validate()
@@ -173,6 +203,7 @@ def load_section(schema: type[T], data: Any, where: str) -> T:
     except OmegaConfBaseException as err:
         raise ConfigError(f"{where}.{getattr(err, 'full_key', '?')}: {getattr(err, 'msg', err)}") from None
     check_finite(obj, f"{where}.")
+    expand_home(obj)
     validate = getattr(obj, "validate", None)
     if callable(validate):
         validate()

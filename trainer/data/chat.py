@@ -133,6 +133,12 @@ class Tokenized:
     loss_mask: list[int]  # 1 exactly on assistant tokens (content and end-of-turn)
 
 
+def template_file(given: str | None) -> str | None:
+    """The file a given chat template names (read_template's rule: text holding a `{` is the
+    template itself), or None: what a stage that reads it must protect from its output."""
+    return given if given and "{" not in given else None
+
+
 def read_template(given: str | None, where: str) -> str | None:
     """The text of a given chat template: `given` itself when it is Jinja text (it holds a
     `{`), else the file it names, which must exist and be UTF-8; compiled once, before any

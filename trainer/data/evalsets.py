@@ -43,6 +43,12 @@ def _first_user_turn(record) -> str | None:
     return None
 
 
+def dataset_file(dataset: str | None) -> str | None:
+    """The file an eval dataset names (`jsonl:PATH`), or None for a packaged one: what a stage
+    that reads it must protect from its output."""
+    return dataset.split(":", 1)[1] if dataset and dataset.startswith("jsonl:") else None
+
+
 def load_prompts(dataset: str, limit: int | None = None) -> list[str]:
     """User prompts (plain text; the caller applies the target's chat template)."""
     if dataset in EVALSETS:
