@@ -119,3 +119,20 @@ def test_a_full_buffer_holds_the_producer_back():
         assert ray.get(channel.take.remote(0, 0.2)) is None  # nothing more: a timeout, not a hang
     finally:
         ray.shutdown()
+
+
+@pytest.mark.parametrize("setting,expect", [
+    (["online.engine=hf", "online.gpu_memory_utilization=0.5"], "are online.engine=vllm settings"),
+    (["online.engine=hf", "online.data_parallel_size=2"], "are online.engine=vllm settings"),
+    (["online.engine=vllm", "online.gpu_memory_utilization=1.5"], "online.gpu_memory_utilization in (0, 1]"),
+    (["online.engine=vllm", "online.buffer_tokens=0"], "online.buffer_tokens"),
+    (["online.engine=ray"], "use hf or vllm"),
+])
+def test_an_online_setting_that_cannot_work_is_one_line(setting, expect, tiny_capture, tiny_target_dir, tmp_path,
+                                                        capsys):
+    from tests.test_bad_input import one_line_error
+
+    argv = ["--config", str(TINY / "eagle3.yaml"), f"data={tiny_capture.parent / 'prepared'}",
+            f"target={tiny_target_dir}", f"output_dir={tmp_path / 'out'}", *setting]
+    one_line_error(capsys, train.main, argv, expect)
+    assert not (tmp_path / "out").exists()

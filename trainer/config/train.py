@@ -42,6 +42,9 @@ class OnlineConfig:
     pipeline_parallel_size: int = 1  # vllm: pipeline stages per engine
     data_parallel_size: int = 1  # vllm: producers side by side
     concurrency: int = 8  # vllm: sequences an engine prefills together (its max_num_seqs)
+    # vllm: the fraction of each device an engine takes (null: vLLM's 0.9); below it, a trainer
+    # sharing the device keeps the rest (one GPU holding both)
+    gpu_memory_utilization: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -90,13 +93,16 @@ class TrainConfig:
             raise ConfigError(f"online.store_dtype is one of {', '.join(STORE_DTYPES)}, online.target_dtype one of "
                               f"{', '.join(TARGET_DTYPES)}")
         if min(o.buffer_tokens, o.max_tokens_per_batch, o.tensor_parallel_size, o.pipeline_parallel_size,
-               o.data_parallel_size, o.concurrency) < 1 or o.timeout_s <= 0 or o.cache_tokens < 0:
+               o.data_parallel_size, o.concurrency) < 1 or o.timeout_s <= 0 or o.cache_tokens < 0 \
+                or not (o.gpu_memory_utilization is None or 0 < o.gpu_memory_utilization <= 1):
             raise ConfigError("online.buffer_tokens, max_tokens_per_batch, tensor/pipeline/data_parallel_size and "
-                              "concurrency must be >= 1, online.timeout_s > 0, online.cache_tokens >= 0")
-        if o.engine == "hf" and (o.address or o.devices or max(o.tensor_parallel_size, o.pipeline_parallel_size,
-                                                                o.data_parallel_size) > 1):
-            raise ConfigError("online.address, devices and tensor/pipeline/data_parallel_size are online.engine=vllm "
-                              "settings; the hf engine runs in each trainer process")
+                              "concurrency must be >= 1, online.timeout_s > 0, online.cache_tokens >= 0, "
+                              "online.gpu_memory_utilization in (0, 1]")
+        vllm_only = o.address or o.devices or o.gpu_memory_utilization or max(
+            o.tensor_parallel_size, o.pipeline_parallel_size, o.data_parallel_size) > 1
+        if o.engine == "hf" and vllm_only:
+            raise ConfigError("online.address, devices, gpu_memory_utilization and tensor/pipeline/data_parallel_size "
+                              "are online.engine=vllm settings; the hf engine runs in each trainer process")
         if self.draft.aux_layer_ids is not None:
             check_layer_ids(self.draft.aux_layer_ids, "draft.aux_layer_ids")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):

@@ -100,5 +100,6 @@ def settings_for(online, layer_ids: list[int], num_layers: int, max_model_len: i
             "dtype": online.target_dtype, "max_model_len": max_model_len, "concurrency": online.concurrency,
             "tensor_parallel_size": online.tensor_parallel_size,
             "pipeline_parallel_size": online.pipeline_parallel_size, "enforce_eager": None,
-            "max_num_batched_tokens": None, "flush_timeout_s": online.timeout_s}
+            "max_num_batched_tokens": None, "flush_timeout_s": online.timeout_s,
+            "gpu_memory_utilization": online.gpu_memory_utilization}
 

