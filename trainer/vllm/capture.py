@@ -65,7 +65,7 @@ def capture_in_vllm(target_dir: str, out: Path, shards: dict[int, range], ds, la
     cmds = [[python, str(RUNNER), "--target", str(target_dir), "--jobs", str(jobs), "--out", str(out), "--settings",
              str(jobs / "settings.json"), "--shard", str(i), "--num-shards", str(N)] for i in range(N)]
     cpus = os.cpu_count() or 1
-    envs = [runner_env(vllm_cache or out / JOBS / "vllm-cache", in_process=T == 1,
+    envs = [runner_env(vllm_cache, in_process=T == 1,
                        devices=engine_devices(i, T) if N > 1 else None, threads=max(1, cpus // N) if N > 1 else None)
             for i in range(N)]
     done = set()

@@ -17,7 +17,6 @@ from transformers import AutoConfig
 
 from trainer.errors import DraftsmithError
 from trainer.families import served_max_model_len
-from trainer.target import cache_root as draftsmith_cache
 from trainer.vllm.env import require_vllm_python, runner_env
 
 RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_generate.py"
@@ -62,7 +61,7 @@ def run_vllm_jobs(jobs: list[dict], cache_root: Path | None = None, timeout: int
 
 def _run(cmd: list[str], out: Path, cache_root: Path | None, timeout: int) -> dict:
     # the engine in-process: the runner inspects the draft; vLLM's cache shared across runs
-    env = runner_env(cache_root or draftsmith_cache() / "vllm-cache")
+    env = runner_env(cache_root)
     log = out.with_suffix(".log")
     with open(log, "w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)

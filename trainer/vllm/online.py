@@ -78,7 +78,7 @@ def start_producers(target_dir: str, address: str, channel: str, settings: dict,
             mine = devices[i * per_engine:(i + 1) * per_engine]
         else:
             mine = engine_devices(i, per_engine) if data_parallel_size > 1 else None
-        env = runner_env(vllm_cache or work / "vllm-cache", in_process=per_engine == 1, devices=mine,
+        env = runner_env(vllm_cache, in_process=per_engine == 1, devices=mine,
                          threads=max(1, cpus // data_parallel_size) if data_parallel_size > 1 else None)
         env["RAY_USAGE_STATS_ENABLED"] = "0"
         log = work / f"producer-{i}.log"

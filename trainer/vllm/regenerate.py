@@ -58,7 +58,7 @@ def regenerate_in_vllm(target_dir: str, requests: dict, work: Path, data_paralle
              str(results[i]), "--report", str(reports[i]), "--shard", str(i), "--num-shards", str(N)]
             for i in range(N)]
     cpus = os.cpu_count() or 1
-    envs = [runner_env(vllm_cache or work / "vllm-cache", in_process=T == 1,
+    envs = [runner_env(vllm_cache, in_process=T == 1,
                        devices=engine_devices(i, T) if N > 1 else None,
                        threads=max(1, cpus // N) if N > 1 else None) for i in range(N)]
     seen = [0] * N  # bytes of each results file already counted
