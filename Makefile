@@ -2,7 +2,7 @@
 # refresh .venv first (scripts/setup.sh), so they work on a fresh machine.
 PY := .venv/bin/python
 
-.PHONY: setup setup-vllm demo test test-fast lint bench clean
+.PHONY: setup setup-vllm demo test test-all test-fast lint bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -18,11 +18,15 @@ demo: setup
 # time, one thread each; tests/conftest.py pins their vLLM engines to a core each). WORKERS=0: serial.
 WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -n $(WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not extended" $(ARGS)
+
+# Everything, the extended tests too (pyproject.toml's markers say which; ~5 more minutes).
+test-all: setup
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 # Unit tests only (tiny in-process targets).
 test-fast: setup
-	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not slow" $(ARGS)
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(ARGS)
 
 lint: setup
 	.venv/bin/ruff check .

@@ -127,6 +127,7 @@ def test_inspect_capture_verifies_hashes(demo_run):
                                                          "(changed or truncated); capture again")
 
 
+@pytest.mark.extended  # DFlash and DSpark are trained, exported FP8 and served by tests/test_vllm.py
 @pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
 def test_demo_runs_every_algorithm(tmp_path, algorithm):
     """`draftsmith demo algorithm=...` end to end on a minimal budget: the block draft is exported,

@@ -96,6 +96,7 @@ def test_eval_uses_the_datas_template_and_takes_plain_prompts(run, gemma, tmp_pa
     assert e.value.code == 2
 
 
+@pytest.mark.extended  # every served family's exports are built by vLLM in tests/test_target_families.py
 def test_vllm_builds_both_exports_with_every_weight(run, gemma):
     from export import formats
     from tests.conftest import require_vllm, vllm_build_many
