@@ -15,11 +15,12 @@ vocabulary (lm_head + d2t; vLLM skips t2d).
 
 from __future__ import annotations
 
+from trainer.drafts.registry import VLLM_METHOD
 from trainer.drafts.shape import flat_rope
 from trainer.errors import DraftsmithError
 from trainer.layer_ids import entering_to_output
 
-METHOD = "dflash"
+METHOD = VLLM_METHOD["dflash"]  # vLLM's speculative-config method
 FORMATS = ("vllm",)
 FP8_FORMATS = ("vllm",)
 TITLE = "DFlash draft model"

@@ -25,9 +25,10 @@ pieces with ours; scripts/gpu_check_export.sh serves it on a GPU.
 from __future__ import annotations
 
 from export import dflash
+from trainer.drafts.registry import VLLM_METHOD
 from trainer.errors import DraftsmithError
 
-METHOD = "dspark"
+METHOD = VLLM_METHOD["dspark"]  # vLLM's speculative-config method
 FORMATS = ("vllm",)
 FP8_FORMATS = ("vllm",)
 TITLE = "DSpark draft model"

@@ -18,10 +18,11 @@ The target's embedding is never exported: the draft shares it (vLLM then uses th
 
 from __future__ import annotations
 
+from trainer.drafts.registry import VLLM_METHOD
 from trainer.drafts.shape import flat_rope
 from trainer.errors import DraftsmithError
 
-METHOD = "eagle3"  # vLLM's speculative-config method
+METHOD = VLLM_METHOD["eagle3"]  # vLLM's speculative-config method
 FORMATS = ("vllm", "speculators")
 FP8_FORMATS = ("vllm",)  # Quark's file-to-file flow writes the vLLM-native names
 

@@ -54,15 +54,15 @@ def rename_strict(state: dict, mapping: dict[str, str], what: str) -> dict:
     return {mapping[k]: v for k, v in state.items()}
 
 
-def tensor_names(algorithm: str, d: dict) -> list[str]:
-    """Our names of a draft's tensors for draft config `d`: the state-dict keys of the module
-    it builds (on the meta device). Every one is exported, nothing else is."""
-    return list(module_shapes(algorithm, d))
+def tensor_names(algorithm: str, draft_cfg: dict) -> list[str]:
+    """Our names of a draft's tensors for `draft_cfg`: the state-dict keys of the module it
+    builds (on the meta device). Every one is exported, nothing else is."""
+    return list(module_shapes(algorithm, draft_cfg))
 
 
-def key_map(algorithm: str, fmt: str, d: dict) -> dict[str, str]:
-    """Our name -> the name in `fmt`'s file, for every tensor of draft config `d`."""
-    return exporter(algorithm).key_map(fmt, tensor_names(algorithm, d))
+def key_map(algorithm: str, fmt: str, draft_cfg: dict) -> dict[str, str]:
+    """Our name -> the name in `fmt`'s file, for every tensor of `draft_cfg`."""
+    return exporter(algorithm).key_map(fmt, tensor_names(algorithm, draft_cfg))
 
 
 def read_draft_dir(path: str | Path) -> tuple[dict, dict]:
@@ -78,29 +78,29 @@ def read_draft_dir(path: str | Path) -> tuple[dict, dict]:
 
 def check_against_target(cfg: dict, target, draft_dir: Path) -> None:
     """Refuse a draft whose training inputs disagree with the named target."""
-    t, d = cfg["target"], cfg["draft"]
+    trained_for, draft_cfg = cfg["target"], cfg["draft"]
     problems = []
-    if t["sha256"] != target.content_hash:
-        problems.append(f"weights sha256 {t['sha256'][:12]} != {target.content_hash[:12]}")
+    if trained_for["sha256"] != target.content_hash:
+        problems.append(f"weights sha256 {trained_for['sha256'][:12]} != {target.content_hash[:12]}")
     for key, have in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size),
                       ("num_layers", target.num_layers)):
-        if t[key] != have:
-            problems.append(f"{key} {t[key]} != {have}")
-    if d["target_hidden_size"] != target.hidden_size or d["vocab_size"] != target.vocab_size:
+        if trained_for[key] != have:
+            problems.append(f"{key} {trained_for[key]} != {have}")
+    if draft_cfg["target_hidden_size"] != target.hidden_size or draft_cfg["vocab_size"] != target.vocab_size:
         problems.append("the draft's target_hidden_size/vocab_size do not match")
-    if any(not 0 <= i <= target.num_layers for i in d["aux_layer_ids"]):
-        problems.append(f"aux layer ids {d['aux_layer_ids']} out of range for {target.num_layers} layers")
+    if any(not 0 <= i <= target.num_layers for i in draft_cfg["aux_layer_ids"]):
+        problems.append(f"aux layer ids {draft_cfg['aux_layer_ids']} out of range for {target.num_layers} layers")
     capture = cfg.get("data", {}).get("capture")
     manifest = Path(capture) / "manifest.json" if capture else None
     if manifest is not None and manifest.is_file():  # the training data's own record, when still on disk
-        m = load_manifest(capture).manifest
-        if not set(d["aux_layer_ids"]) <= set(m["aux_layer_ids"]):
-            problems.append(f"capture {capture} holds layer ids {m['aux_layer_ids']}, the draft says it was trained "
-                            f"on {d['aux_layer_ids']}")
-        if m["target"]["sha256"] != target.content_hash:
-            problems.append(f"capture {capture} was made from another target ({m['target']['name']})")
+        manifest = load_manifest(capture).manifest
+        if not set(draft_cfg["aux_layer_ids"]) <= set(manifest["aux_layer_ids"]):
+            problems.append(f"capture {capture} holds layer ids {manifest['aux_layer_ids']}, the draft says it was "
+                            f"trained on {draft_cfg['aux_layer_ids']}")
+        if manifest["target"]["sha256"] != target.content_hash:
+            problems.append(f"capture {capture} was made from another target ({manifest['target']['name']})")
     if problems:
-        raise DraftsmithError(f"draft '{draft_dir}' was trained for {t['name']}, which disagrees with target "
+        raise DraftsmithError(f"draft '{draft_dir}' was trained for {trained_for['name']}, which disagrees with target "
                               f"'{target.name}': {'; '.join(problems)}. Export it with the target it was trained on")
 
 
@@ -113,7 +113,7 @@ def serve_command(target_ref: str, export_dir: str, num_draft_tokens: int, metho
     return f"vllm serve {target_ref}{length} --speculative-config '{spec}'"
 
 
-def check_export_options(algorithm: str, fmt: str, quantize: str, num_draft_tokens: int, d: dict,
+def check_export_options(algorithm: str, fmt: str, quantize: str, num_draft_tokens: int, draft_cfg: dict,
                          options: dict) -> None:
     """What an export is asked for must be what the algorithm can write and serve: its formats
     (FP8 ones under quantize=fp8), N within what the draft proposes, options vLLM reads."""
@@ -122,8 +122,8 @@ def check_export_options(algorithm: str, fmt: str, quantize: str, num_draft_toke
     if fmt not in allowed:
         raise DraftsmithError(f"format '{fmt}'{' with quantize=fp8' if quantize == 'fp8' else ''} is not written for "
                               f"{algorithm}; use one of {', '.join(allowed)}")
-    algo = get(algorithm)
-    check_num_draft_tokens(num_draft_tokens, algo.Config(**d).max_draft_tokens, f"a {algorithm} draft of this shape")
+    most = get(algorithm).Config(**draft_cfg).max_draft_tokens
+    check_num_draft_tokens(num_draft_tokens, most, f"a {algorithm} draft of this shape")
     unknown = sorted(set(options) - set(ex.OPTIONS))
     if unknown:
         raise DraftsmithError(f"draft option(s) {', '.join(unknown)} cannot be served by vLLM for {algorithm}; it "

@@ -65,7 +65,7 @@ class DFlashConfig(TargetShape):
     mask_token_id: int | None = None  # chosen at training: a token the training data never uses
     block_size: int = 16  # K: anchor + K-1 predicted slots
     # Objective (DFlash recipe): random anchors inside assistant spans, CE on slots k >= 1
-    # weighted exp(-(k-1)/gamma) (gamma 7 for B = 16, 4 for B = 8), normalized by the weights.
+    # weighted exp(-(k-1)/gamma) (gamma 7 for a block of K = 16, 4 for K = 8), normalized by the weights.
     num_anchors: int = 512  # per sequence (every public recipe); fewer on a CPU
     gamma: float = 7.0
     labels: str = "target"  # "target": the target's greedy token; "data": the token in the data

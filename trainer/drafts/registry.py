@@ -12,6 +12,10 @@ from trainer.drafts import dflash, dspark, eagle3
 from trainer.errors import ConfigError
 
 DRAFTS = {"eagle3": eagle3, "dflash": dflash, "dspark": dspark}
+# vLLM's speculative-config method that serves each algorithm (vllm/config/speculative.py): what the
+# exporters write and the servability check asks about, so that a stage reaches vLLM's wing
+# without importing an exporter.
+VLLM_METHOD = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}
 
 
 def get(algorithm: str):
