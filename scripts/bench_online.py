@@ -6,11 +6,13 @@ process (online.engine=vllm, through Ray), both rounding to bfloat16 as the capt
     .venv/bin/python scripts/bench_online.py --out runs/bench-online [--tokens 60000] [--only hf,vllm]
 
 Each run is a subprocess (the recipes' own command lines); measured in this run, side by side:
-wall time, the peak of what the run holds on disk (the capture folder, or the training run's own
-folder with its online buffers: sampled every 0.2 s), the peak resident memory of its process
-tree (sampled likewise: the trainer, vLLM's producer and Ray's processes included), the tokens
-trained per second of wall time, and the final loss. Threads: capture and train 2 each (one at a
-time); online vllm, trainer and producer 1 each (side by side on the two cores).
+wall time, the peak of the training data the run holds on disk (the capture folder; online, the
+run's `.online/` folder: the producer's staged states, what a rank buffers, the epoch cache;
+sampled every 0.2 s; the trained draft itself, the same in every run, not counted), the peak
+resident memory of its process tree (sampled likewise: the trainer, vLLM's producer and Ray's
+processes included), the tokens trained per second of wall time, and the final loss. Threads:
+capture and train 2 each (one at a time); online vllm, trainer and producer 1 each (side by side
+on the two cores).
 """
 
 from __future__ import annotations
@@ -117,15 +119,15 @@ def main() -> None:
                             f"data={prepared}", f"output_dir={run / 'capture'}", f"max_samples={n}",
                             "drafts=[eagle3]", "overwrite=true"], run / "capture", two)
             tr = measured([PY, str(REPO / "recipes" / "train.py"), *train, f"data={run / 'capture'}",
-                           f"output_dir={run / 'draft'}", "overwrite=true"], run / "draft", two)
+                           f"output_dir={run / 'draft'}", "overwrite=true"], run / "capture", two)
             r = {"seconds": cap["seconds"] + tr["seconds"], "capture_s": cap["seconds"], "train_s": tr["seconds"],
-                 "peak_disk": cap["peak_disk"] + tr["peak_disk"], "peak_rss": max(cap["peak_rss"], tr["peak_rss"])}
+                 "peak_disk": max(cap["peak_disk"], tr["peak_disk"]), "peak_rss": max(cap["peak_rss"], tr["peak_rss"])}
         else:
             env = {"OMP_NUM_THREADS": "2" if name == "hf" else "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
             r = measured([PY, str(REPO / "recipes" / "train.py"), *train, f"data={prepared}",
                           f"output_dir={run / 'draft'}", f"online.engine={name}", "online.store_dtype=bfloat16",
                           "online.draft_vocab_size=8192", f"online.buffer_tokens={args.buffer_tokens}",
-                          "overwrite=true"], run / "draft", env)
+                          "overwrite=true"], run / "draft" / ".online", env)
         report = json.loads((run / "draft" / "train_report.json").read_text())
         r.update(tokens=report["tokens"], tokens_per_s=report["tokens"] / r["seconds"], loss=report["final"]["loss"],
                  online=report["final"].get("online"))

@@ -97,26 +97,48 @@ def test_a_killed_online_run_resumes_at_the_exact_sample(exact_capture, tiny_tar
 
 
 def test_a_full_buffer_holds_the_producer_back():
-    """The channel's rank buffer holds at most its capacity in tokens: a producer's delivery waits
-    (and times out) while it is full, except the sample the rank takes next, which always enters;
-    taking one lets the next in. Samples are handed out in the rank's order whatever came first."""
+    """Each rank's buffer holds at most its capacity in tokens, counted when work is handed to a
+    producer: what would not fit is held back (the sample the rank takes next always goes out),
+    and taking one lets the next out. One rank's full buffer never holds back another rank's work:
+    two ranks in one DDP step, rank 0 full and rank 1 starving, is the case where a producer that
+    waited to deliver would deadlock. Samples reach a rank in its order whatever came first, and
+    the producers' reports are summed."""
     join_cluster(None)
     try:
-        channel = open_channel("test-backpressure", ranks=1, capacity_tokens=10)
-        ray.get(channel.reset.remote(0, 0, 0))
+        channel = open_channel("test-backpressure", ranks=2, capacity_tokens=10)
+        for rank in (0, 1):
+            ray.get(channel.reset.remote(rank, 0, 0))
+        ray.get(channel.request.remote(0, 0, [(0, 10, [1] * 6), (1, 11, [1] * 6), (2, 12, [1] * 3)]))
+        ray.get(channel.request.remote(1, 0, [(0, 20, [1] * 6)]))
 
-        def deliver(seq, tokens, timeout=0.5):
-            return ray.get(channel.deliver.remote(0, 0, seq, {"seq": seq}, tokens, timeout))
+        def handed(most=8, timeout=0.3):
+            return [(r[0], r[2]) for r in ray.get(channel.next_requests.remote(most, timeout))]
 
-        assert deliver(1, 6) is True  # a later sample, out of order: it fits
-        assert deliver(2, 6) is False  # 12 > 10 tokens: held back, then timed out
-        assert deliver(0, 6) is True  # the one the rank needs next always enters
-        assert ray.get(channel.status.remote())["held_tokens"] == [12]
-        assert ray.get(channel.take.remote(0, 1.0)) == {"seq": 0}  # in order
-        assert deliver(2, 6, 0.5) is False  # still 6 + 6 > 10
-        assert ray.get(channel.take.remote(0, 1.0)) == {"seq": 1}
-        assert deliver(2, 6) is True and ray.get(channel.take.remote(0, 1.0)) == {"seq": 2}
-        assert ray.get(channel.take.remote(0, 0.2)) is None  # nothing more: a timeout, not a hang
+        def deliver(rank, seq, tokens):
+            return ray.get(channel.deliver.remote(rank, 0, seq, {"seq": seq}, tokens))
+
+        # rank 0: seq 0 (6 tokens) fits, seq 1 would make 12 > 10 and holds back seq 2 behind it;
+        # rank 1's request, asked after both, still goes out
+        assert handed() == [(0, 0), (1, 0)]
+        assert handed() == []  # nothing more fits: a timeout, not a hang
+        assert deliver(1, 0, 6) is True and ray.get(channel.take.remote(1, 1.0)) == {"seq": 0}
+        assert deliver(0, 0, 6) is True
+        assert ray.get(channel.status.remote())["reserved_tokens"] == [6, 0]
+        assert ray.get(channel.take.remote(0, 1.0)) == {"seq": 0}  # taken: room for seq 1 and 2 (9 tokens)
+        assert handed() == [(0, 1), (0, 2)]
+        assert deliver(0, 2, 3) is True and deliver(0, 1, 6) is True  # out of order ...
+        assert [ray.get(channel.take.remote(0, 1.0)) for _ in range(2)] == [{"seq": 1}, {"seq": 2}]  # ... in order
+        assert ray.get(channel.take.remote(0, 0.2)) is None
+        # a sample larger than the whole buffer still goes out when the rank needs it next
+        ray.get(channel.request.remote(0, 0, [(3, 13, [1] * 25)]))
+        assert handed() == [(0, 3)]
+        ray.get(channel.report.remote({"pid": 1, "tokens": 100, "tokens_per_s": 50.0, "compute_s": 2.0,
+                                       "blocked_s": 2.0}))
+        ray.get(channel.report.remote({"pid": 2, "tokens": 60, "tokens_per_s": 30.0, "compute_s": 2.0,
+                                       "blocked_s": 0.0}))
+        together = ray.get(channel.status.remote())["producer"]
+        assert together["producers"] == 2 and together["tokens"] == 160 and together["tokens_per_s"] == 80.0
+        assert together["blocked_fraction"] == pytest.approx(2.0 / 6.0)  # waited 2 s of 6 s busy
     finally:
         ray.shutdown()
 

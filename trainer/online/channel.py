@@ -4,12 +4,17 @@ a Ray actor, owned by the trainer's first rank, that holds
 
     requests   what each rank needs next: (rank, epoch, seq, sample index, token ids), in order
     results    per rank, the states the producers made, handed out in the rank's request order
-               (several producers, data parallel, finish out of order), bounded by `capacity_tokens`
-               tokens per rank: a producer's `deliver` waits while the rank's buffer is full
-               (back-pressure, never growth; the sample the rank needs next always enters), a
-               rank's `take` until its next sample is there
-    status     the producer's last report (its engine, tokens/s, the time it waited on a full
-               buffer) and when it came
+               (several producers, data parallel, finish out of order), a rank's `take` waiting
+               until its next sample is there
+    reserved   per rank, the tokens handed to producers or held for it, at most `capacity_tokens`:
+               back-pressure, never growth. It is applied when work is handed out, not when it
+               is delivered: a producer is never given a request whose result would not fit
+               (the sample the rank needs next always fits), so a delivery never waits, and one
+               rank's full buffer never holds back another rank's work (with several ranks in
+               one DDP step, a producer waiting to deliver to a full rank while the rank it
+               waits on starves would deadlock)
+    status     each producer's last report (its engine, tokens/s, the time it waited for work
+               that fits) and when it came, and their sum
 
 The actor is not detached: it dies with the trainer that made it, and a producer whose next
 call fails with RayActorError stops (a trainer that dies stops its producers). Delivery is
@@ -37,12 +42,12 @@ class Channel:
         self.results: list[dict] = [{} for _ in range(ranks)]  # seq -> (item, tokens)
         self.expected = [0] * ranks  # the seq each rank takes next
         self.held = [0] * ranks  # tokens each rank's buffer holds
+        self.reserved = [0] * ranks  # tokens handed out for each rank and not yet taken (held included)
         self.capacity = capacity_tokens
         self.epoch = [0] * ranks  # what each rank takes now: results of other epochs are dropped
         self.cond = asyncio.Condition()
         self.closed = False
-        self.producer: dict = {}
-        self.reported = None  # when the producer last reported
+        self.producers: dict = {}  # pid -> (its last report, when it came)
 
     async def request(self, rank: int, epoch: int, items: list) -> None:
         """items: [(seq, index, token_ids)] of `rank` in `epoch`, in the order it will take them."""
@@ -57,30 +62,51 @@ class Channel:
             self.epoch[rank], self.expected[rank] = epoch, start
             self.requests = deque(r for r in self.requests if r[0] != rank)
             self.results[rank].clear()
-            self.held[rank] = 0
+            self.held[rank] = self.reserved[rank] = 0
             self.cond.notify_all()
 
+    def _fits(self, request) -> bool:
+        rank, _, seq, _, ids = request
+        return seq == self.expected[rank] or self.reserved[rank] + len(ids) <= self.capacity
+
+    def _ready(self) -> bool:
+        """Some rank's oldest request (a rank's requests go out in its order) fits."""
+        seen = set()
+        for r in self.requests:
+            if r[0] not in seen:
+                if r[1] != self.epoch[r[0]] or self._fits(r):
+                    return True
+                seen.add(r[0])
+        return False
+
     async def next_requests(self, most: int, timeout: float):
-        """Up to `most` requests, oldest first ([] after `timeout` seconds without one); None once closed."""
+        """Up to `most` requests that fit their rank's buffer, each rank's in its order, oldest
+        first ([] after `timeout` seconds without one); None once closed."""
         async with self.cond:
             try:
-                await asyncio.wait_for(self.cond.wait_for(lambda: self.requests or self.closed), timeout)
+                await asyncio.wait_for(self.cond.wait_for(lambda: self.closed or self._ready()), timeout)
             except asyncio.TimeoutError:
                 return []
             if self.closed:
                 return None
-            return [self.requests.popleft() for _ in range(min(most, len(self.requests)))]
+            picked, held_back, kept = [], set(), deque()
+            for r in self.requests:
+                rank, epoch = r[0], r[1]
+                if epoch != self.epoch[rank]:
+                    continue  # asked in an epoch the rank has left: dropped
+                if len(picked) < most and rank not in held_back and self._fits(r):
+                    picked.append(r)
+                    self.reserved[rank] += len(r[4])
+                else:
+                    held_back.add(rank)  # nothing of this rank goes out past one held back
+                    kept.append(r)
+            self.requests = kept
+            return picked
 
-    async def deliver(self, rank: int, epoch: int, seq: int, item: dict, tokens: int, timeout: float):
-        """Hand `rank` the states of its request `seq`; waits while its buffer is full. True when
-        delivered (or dropped: another epoch), False after `timeout` seconds full, None once closed."""
+    async def deliver(self, rank: int, epoch: int, seq: int, item: dict, tokens: int):
+        """Hand `rank` the states of its request `seq` (room was reserved when it was handed
+        out: this never waits). True when delivered (or dropped: another epoch), None once closed."""
         async with self.cond:
-            try:
-                await asyncio.wait_for(self.cond.wait_for(
-                    lambda: self.closed or epoch != self.epoch[rank] or seq == self.expected[rank]
-                    or self.held[rank] + tokens <= self.capacity), timeout)
-            except asyncio.TimeoutError:
-                return False
             if self.closed:
                 return None
             if epoch == self.epoch[rank]:
@@ -100,16 +126,29 @@ class Channel:
             item, tokens = self.results[rank].pop(self.expected[rank])
             self.expected[rank] += 1
             self.held[rank] -= tokens
+            self.reserved[rank] -= tokens
             self.cond.notify_all()
             return item
 
     def report(self, stats: dict) -> None:
-        self.producer = stats
-        self.reported = time.time()
+        self.producers[stats.get("pid", 0)] = (stats, time.time())
 
     def status(self) -> dict:
-        return {"producer": self.producer, "since_report_s": None if self.reported is None else
-                time.time() - self.reported, "held_tokens": list(self.held), "requests": len(self.requests)}
+        """The producers together (tokens/s summed, the time they waited for work that fits as a
+        share of their busy time), each one's own report, and what the buffers hold."""
+        reports = [r for r, _ in self.producers.values()]
+        together = {}
+        if reports:
+            compute = sum(r.get("compute_s", 0.0) for r in reports)
+            blocked = sum(r.get("blocked_s", 0.0) for r in reports)
+            together = {"producers": len(reports), "tokens": sum(r.get("tokens", 0) for r in reports),
+                        "tokens_per_s": sum(r.get("tokens_per_s", 0.0) for r in reports),
+                        "blocked_fraction": blocked / (compute + blocked) if compute + blocked else 0.0}
+        last = max((when for _, when in self.producers.values()), default=None)
+        return {"producer": together, "producers": reports,
+                "since_report_s": None if last is None else time.time() - last,
+                "held_tokens": list(self.held), "reserved_tokens": list(self.reserved),
+                "requests": len(self.requests)}
 
     async def close(self) -> None:
         async with self.cond:

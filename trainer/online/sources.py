@@ -53,7 +53,8 @@ class SourceStats:
     tokens: int = 0
     produce_s: float = 0.0
     wait_s: float = 0.0
-    producer: dict = field(default_factory=dict)  # a separate producer's own report
+    producer: dict = field(default_factory=dict)  # separate producers' reports, together
+    producers: list = field(default_factory=list)  # ... and each one's own
 
     def line(self, train_s: float) -> dict:
         rate = self.producer.get("tokens_per_s") or (self.tokens / self.produce_s if self.produce_s else 0.0)
@@ -62,7 +63,9 @@ class SourceStats:
         bound = "producer-bound" if waited > 0.2 else \
             "trainer-bound" if blocked is None or blocked > 0.2 else "balanced"
         return {"producer_tokens_per_s": rate, "trainer_waited": waited, "producer_blocked": blocked, "bound": bound,
-                "tokens_received": self.tokens}
+                "tokens_received": self.tokens,
+                **({"producers": [{k: p.get(k) for k in ("pid", "tokens", "tokens_per_s", "blocked_fraction")}
+                                  for p in self.producers]} if self.producers else {})}
 
 
 class StreamedSamples(Dataset):
@@ -127,8 +130,10 @@ class HFSource:
         for batch in token_budget_batches([len(r["input_ids"]) for r in rows], self.max_tokens):
             input_ids, attention_mask = right_pad([rows[k]["input_ids"].tolist() for k in batch], self.pad)  # [B, T]
             states = capture_batch(self.target, input_ids, attention_mask, self.layer_ids)
-            stored = {k: v.cpu() for k, v in store_states(states["aux_hidden_states"], states["last_hidden_state"],
-                                                          self.store_dtype).items()}
+            stored = store_states(states["aux_hidden_states"], states["last_hidden_state"], self.store_dtype,
+                                  samples=[self.plan[positions[k]] for k in batch],  # prepared sample indices
+                                  lengths=[len(rows[k]["input_ids"]) for k in batch])
+            stored = {k: v.cpu() for k, v in stored.items()}
             argmax = states["target_argmax"].cpu()
             for r, k in enumerate(batch):
                 T = len(rows[k]["input_ids"])
@@ -208,9 +213,10 @@ class ChannelSource:
         return {**self.prepared[i], **sample}
 
     def refresh(self) -> None:
-        """The producer's last report, for the run log."""
+        """The producers' last reports (together, and each one's), for the run log."""
         try:
-            self.stats.producer = ray.get(self.channel.status.remote(), timeout=10)["producer"]
+            status = ray.get(self.channel.status.remote(), timeout=10)
+            self.stats.producer, self.stats.producers = status["producer"], status["producers"]
         except (ray.exceptions.RayError, TimeoutError):
             pass
 

@@ -5,11 +5,12 @@ disk). Runs with the Python of a vLLM environment, with the same Ray version as 
         --target HF_DIR --settings settings.json --staging DIR [--trainer-pid PID]
 
 It joins the run's Ray cluster, finds the run's channel (trainer/online/channel.py, made by the
-trainer), and loops: take the oldest requests (a chunk of `concurrency` x 4), compute their
-states in one vLLM pass (draftsmith_states.py: extract_hidden_states + draftsmith's connector;
-the states' files live in `--staging` only until read, a chunk at a time), and deliver each
-sample to its trainer rank in request order, waiting while that rank's buffer is full. It
-reports its tokens/s and how long it waited on full buffers (which side is the bottleneck).
+trainer), and loops: take the oldest requests that fit their ranks' buffers (a chunk of
+`concurrency` x 4; the channel holds back what would not fit), compute their states in one vLLM
+pass (draftsmith_states.py: extract_hidden_states + draftsmith's connector; the states' files
+live in `--staging` only until read, a chunk at a time), and deliver each sample to its trainer
+rank. It reports its tokens/s and how long it waited for work that fits (which side is the
+bottleneck).
 
 It stops when the channel closes, when the channel is gone (the trainer died: Ray collects
 the actor with its owner), or when `--trainer-pid` no longer runs. settings.json: the
@@ -79,10 +80,12 @@ def main() -> None:
     chunk, n = max(4 * settings["concurrency"], 8), 0
     try:
         while trainer_alive():
+            t2 = time.perf_counter()
             requests = ray.get(channel.next_requests.remote(chunk, 1.0))
             if requests is None:  # closed: the run is over
                 break
-            if not requests:
+            if not requests:  # nothing asked that fits the ranks' buffers: the trainer is the slower side
+                stats["blocked_s"] += time.perf_counter() - t2
                 report()
                 continue
             n += 1
@@ -91,16 +94,10 @@ def main() -> None:
             stats["compute_s"] += time.perf_counter() - t1
             for (rank, epoch, seq, index, _), sample in zip(requests, samples):
                 item = {**encode(sample), "seq": seq, "index": index}
-                t2 = time.perf_counter()
-                while True:
-                    tokens = int(sample["input_ids"].numel())
-                    done = ray.get(channel.deliver.remote(rank, epoch, seq, item, tokens, 1.0))
-                    if done is not False or not trainer_alive():
-                        break
-                stats["blocked_s"] += time.perf_counter() - t2
-                if done is None:
-                    break
-                stats["tokens"] += int(sample["input_ids"].numel())
+                tokens = int(sample["input_ids"].numel())
+                if ray.get(channel.deliver.remote(rank, epoch, seq, item, tokens)) is None:
+                    break  # closed
+                stats["tokens"] += tokens
             report()
             if 0 < int(os.environ.get("DRAFTSMITH_FAULT_PRODUCER_AFTER_CHUNKS", "0")) <= n:
                 os._exit(17)  # tests: a producer that dies mid-run
