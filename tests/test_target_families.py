@@ -68,6 +68,13 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", GEMMA3, (False, False)),
     "stablelm": ("StableLmConfig", {"partial_rotary_factor": 0.25}, (False, False)),
     "cohere": ("CohereConfig", {"logit_scale": 0.125}, (False, False)),
+    # MLA attention; its head reads hidden / (H / dim_model_base)
+    "minicpm3": ("MiniCPM3Config", {"q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                    "qk_rope_head_dim": 16, "v_head_dim": 32, "dim_model_base": 32}, (True, True)),
+    # logits_scaling multiplies here (Granite's divides)
+    "hyperclovax": ("HyperCLOVAXConfig", {"head_dim": 32, "logits_scaling": 0.125, "embedding_multiplier": 2.0,
+                                          "residual_multiplier": 0.5, "attention_multiplier": 0.03125},
+                    (False, False)),
     "gpt2": ("GPT2Config", {"n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 512}, (False, False)),
     "falcon": ("FalconConfig", {"new_decoder_architecture": False}, (False, False)),
     "bloom": ("BloomConfig", {"n_head": 4}, (False, False)),
@@ -178,6 +185,21 @@ def test_the_target_computes_what_transformers_computes(family, tmp_path):
         torch.testing.assert_close(target.head_logits(target.final_norm(out.last_hidden_state), rows),
                                    ref.logits[..., rows])
     assert ref.logits.std() > 0.1  # a target whose logits say something
+
+
+def test_a_family_whose_logits_draftsmith_misreads_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Every full load holds draftsmith's logits (head, final norm, the family's transform) to the
+    family's own forward: a transform it does not know (here Granite's logits_scaling, as before
+    this version knew it) is refused in one line naming the family, not trained on."""
+    from trainer import families
+    from trainer.errors import TargetError
+
+    target_dir = tiny_family("granite", tmp_path / "granite")
+    monkeypatch.setattr(families, "logit_transform", lambda cfg: lambda logits: logits)
+    with pytest.raises(TargetError) as err:
+        load_target(str(target_dir))
+    assert "(granite): draftsmith's logits from its head and final norm differ from its own forward" in str(err.value)
+    assert len(str(err.value).splitlines()) == 1
 
 
 def test_capture_holds_the_targets_own_states(family_run):
@@ -291,6 +313,10 @@ def test_stages_say_whether_vllm_serves_the_draft(family_run, tmp_path, capsys):
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == (0 if servable else 1), err
+    notes = [line for line in err.splitlines() if line.startswith("note: capture: this target uses LongRoPE")]
+    assert len(notes) == (family == "phi3_longrope"), err  # what vLLM will do, and the length that makes it so
+    if notes:
+        assert "exceeds 64" in notes[0] and "--max-model-len 512" in notes[0], notes
     if not servable:
         assert warnings[0].startswith("warning: capture: ") and "cannot" in warnings[0], warnings
     capsys.readouterr()

@@ -13,8 +13,11 @@ Roles (transformers' own accessors first, then the attribute names the families 
 Logit transforms (what the family's own forward does after its head, and vLLM's logits
 processor with it: granite.py, gemma2.py, cohere.py, minicpm.py): Granite divides by
 `logits_scaling`; Gemma-2/3 soft-cap at `final_logit_softcapping`; Cohere multiplies by
-`logit_scale`; MiniCPM divides by hidden_size / dim_model_base; Falcon-H1 multiplies by
-`lm_head_multiplier`. Embedding, residual and attention multipliers (Granite, Gemma's
+`logit_scale`; MiniCPM divides by hidden_size / dim_model_base; HyperCLOVAX multiplies by
+its `logits_scaling`; Falcon-H1 multiplies by `lm_head_multiplier`, MuseGlimmer by
+`output_multiplier` before its soft-cap. Every full load checks the transform against the
+family's own forward (`trainer.target.check_logits`): a family whose transform is not one of
+these is refused in one line. Embedding, residual and attention multipliers (Granite, Gemma's
 sqrt(H)) live inside the target's forward and so in its states; a draft embeds with the raw
 embedding matrix, as vLLM shares it (trainer.target.Target.token_embedding).
 
@@ -102,21 +105,23 @@ def embedding_name(config) -> str:
 
 def logit_transform(cfg) -> Callable[[torch.Tensor], torch.Tensor]:
     """What the family's forward does to its head's output (the module docstring); identity for
-    most families."""
-    scaling = getattr(cfg, "logits_scaling", None)  # Granite
-    softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma-2/3
-    scale = getattr(cfg, "logit_scale", None)  # Cohere
-    multiplier = getattr(cfg, "lm_head_multiplier", None)  # Falcon-H1
-    base = getattr(cfg, "dim_model_base", None)  # MiniCPM
+    most families. `load_target` holds it to the family's own forward on every full load
+    (`check_logits`), so a family read wrongly here is refused, never trained on."""
+    family = getattr(cfg, "model_type", "")
     factor = 1.0
-    if scaling:
-        factor /= scaling
-    if scale:
-        factor *= scale
-    if multiplier:
-        factor *= multiplier
-    if base and getattr(cfg, "model_type", "") in ("minicpm", "minicpm3"):
+    if family in ("minicpm", "minicpm3"):  # hidden / (H / dim_model_base) before the head (modeling_minicpm3.py)
+        base = getattr(cfg, "dim_model_base", None) or cfg.hidden_size
         factor /= cfg.hidden_size / base
+    elif family == "hyperclovax":  # head(h) * logits_scaling (modeling_hyperclovax.py)
+        factor *= getattr(cfg, "logits_scaling", None) or 1.0
+    elif getattr(cfg, "logits_scaling", None):  # Granite and its kin: head(h) / logits_scaling
+        factor /= cfg.logits_scaling
+    for name in ("logit_scale",  # Cohere
+                 "lm_head_multiplier",  # Falcon-H1
+                 "output_multiplier"):  # MuseGlimmer, before its soft-cap (modeling_muse_glimmer.py)
+        if getattr(cfg, name, None):
+            factor *= getattr(cfg, name)
+    softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma-2/3, MuseGlimmer
 
     def transform(logits: torch.Tensor) -> torch.Tensor:
         if factor != 1.0:
@@ -171,6 +176,19 @@ def served_max_model_len(cfg, needed: int) -> int:
     if is_longrope(cfg):
         return max(needed, int(cfg.rope_parameters["original_max_position_embeddings"]) + 1)
     return needed
+
+
+def longrope_note(cfg, stage: str) -> str | None:
+    """For a LongRoPE target, one line saying what vLLM will do and what draftsmith does to match
+    it (the module docstring); None for every other target."""
+    if not is_longrope(cfg):
+        return None
+    original = int(cfg.rope_parameters["original_max_position_embeddings"])
+    return (f"note: {stage}: this target uses LongRoPE: vLLM serves it with the long RoPE factors at every position "
+            f"whenever --max-model-len exceeds {original} (its default, {int(cfg.max_position_embeddings)}), where "
+            f"transformers uses them only past {original} tokens; draftsmith computes the target, its states, the "
+            f"draft and its measurements with the long factors throughout, and the export's serve line names "
+            f"--max-model-len {serve_max_model_len(cfg)}")
 
 
 def serve_max_model_len(cfg) -> int | None:

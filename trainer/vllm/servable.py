@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import DraftsmithError
-from trainer.families import embedding_name, is_longrope
+from trainer.families import embedding_name, is_longrope, longrope_note
 from trainer.io import atomic_write_json
 from trainer.target import TargetSource, cache_root, target_architectures, target_config
 from trainer.vllm.env import vllm_python
@@ -132,8 +132,10 @@ def target_servability(target: str | TargetSource, method: str) -> Servability:
 def check_servable(target: str | TargetSource, methods: list[str], require: bool, stage: str) -> list[str]:
     """The servability of each speculative method for the target, read from its config alone (no
     weights: a stage asks before any work): one warning line each where it is not servable
-    (returned, for the stage to print), or with `require` an error."""
-    warnings = []
+    (returned, for the stage to print), or with `require` an error; for a LongRoPE target, the
+    line that says how vLLM will serve it (trainer.families.longrope_note)."""
+    note = longrope_note(target_config(target).get_text_config(), stage)
+    warnings = [note] if note else []
     for method in methods:
         s = target_servability(target, method)
         if not s.servable:
