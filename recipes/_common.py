@@ -8,13 +8,15 @@ import dataclasses
 import functools
 import json
 import sys
+import types
+import typing
 from pathlib import Path
 
 from omegaconf import MISSING
 
 from export import formats
 from trainer.config import NGRAM_DRAFT_TOKENS, load_config
-from trainer.data.chat import resolve_template
+from trainer.data.chat import resolve_template, template_file
 from trainer.data.evalsets import chat_prompt_ids
 from trainer.drafts.folder import load_draft
 from trainer.drafts.registry import get
@@ -113,29 +115,82 @@ def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int =
         options = {**served, **options}
         if served:
             name += " with " + ", ".join(f"{k}={v}" for k, v in served.items())
+        served_n = manifest.get("num_draft_tokens")  # the N its serve command names: its default N
     else:
         algorithm, draft = load_draft(path, target)
         name = f"{algorithm} ({path})"
+        served_n = None
     proposer = get(algorithm).Proposer
-    check_options(proposer, options, f"{algorithm} drafts ('{path}')")
+    options = check_options(proposer, options, f"{algorithm} drafts ('{path}')")
     made = proposer(draft, draft_sampling=draft_sampling, seed=seed, **options)
-    made.num_positions = draft.config.num_positions  # what it was trained on: the N served by default
+    made.num_positions = draft.config.num_positions  # what it was trained on: a trained draft's default N
+    made.served_num_draft_tokens = served_n if isinstance(served_n, int) and served_n >= 1 else None
     made.options = options  # what it proposes with (an export's served options included)
     return made, name
 
 
-def check_options(proposer, options: dict, what: str) -> None:
-    """Proposer options must be ones the algorithm declares (its OPTIONS)."""
+def _fits(value, expected) -> bool:
+    """`value` is of the annotated type `expected` (bool a real bool, int an integer that is
+    not a bool, float any such number; a union: any of its members); other types: not checked."""
+    if isinstance(expected, types.UnionType) or typing.get_origin(expected) is typing.Union:
+        return any(_fits(value, t) for t in typing.get_args(expected))
+    if expected is type(None):
+        return value is None
+    if expected is bool:
+        return isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if expected is str:
+        return isinstance(value, str)
+    return True
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+
+
+def _type_name(expected) -> str:
+    if isinstance(expected, types.UnionType) or typing.get_origin(expected) is typing.Union:
+        return " or ".join(_type_name(t) for t in typing.get_args(expected))
+    return _TYPE_NAMES.get(expected, getattr(expected, "__name__", str(expected)))
+
+
+def check_options(proposer, options: dict, what: str) -> dict:
+    """Proposer options must be ones the algorithm declares (its OPTIONS), each of the type its
+    Proposer's __init__ annotates (a bool: true or false, also as the strings a quoted YAML value
+    gives; an int: an integer, never a bool). Returns the options, such strings made bools."""
     unknown = sorted(set(options) - set(proposer.OPTIONS))
     if unknown:
         raise DraftsmithError(f"{', '.join(unknown)}: not an option of {what}; they take "
                               f"{', '.join(proposer.OPTIONS) or 'none'}")
+    hints = typing.get_type_hints(proposer.__init__)
+    checked = {}
+    for key, value in options.items():
+        expected = hints.get(key)
+        if isinstance(value, str) and value.lower() in ("true", "false") and expected is not None \
+                and _fits(True, expected) and not _fits(value, expected):
+            value = value.lower() == "true"
+        if expected is not None and not _fits(value, expected):
+            raise DraftsmithError(f"draft option {key}={value!r} is not {_type_name(expected)} (what {what} take "
+                                  f"for {key}); pass e.g. --draft-option {key}={_example(expected)}")
+        checked[key] = value
+    return checked
+
+
+def _example(expected) -> str:
+    members = [t for t in typing.get_args(expected) if t is not type(None)] or [expected]
+    return {bool: "false", int: "64", float: "0.5"}.get(members[0], "VALUE")
 
 
 def default_num_draft_tokens(n: int | None, proposer) -> int:
-    """N as given, else the positions the draft was trained on (its Config.num_positions:
-    serve the block you trained), else the n-gram baseline's."""
-    return n if n is not None else getattr(proposer, "num_positions", None) or NGRAM_DRAFT_TOKENS
+    """N as given, else an export's recorded N (what its serve command serves), else the
+    positions the draft was trained on (its Config.num_positions: serve the block you trained),
+    else the n-gram baseline's."""
+    if n is not None:
+        return n
+    return (getattr(proposer, "served_num_draft_tokens", None) or getattr(proposer, "num_positions", None)
+            or NGRAM_DRAFT_TOKENS)
 
 
 def draft_record(path: str) -> tuple[dict | None, dict]:
@@ -170,8 +225,18 @@ def prompt_ids(target, texts: list[str], draft: str, chat_template: str | None, 
     """Eval prompts as token ids: each text as one user turn in the chat template (given as
     `chat_template` (text or file), else the one the draft's data was prepared with, else the
     target's own), or with `plain` the text as it is (base-model completion prompts)."""
+    stage = where.split(" ", 1)[0]
+    trained = draft_record(draft)[1].get("chat_template") if draft != "ngram" else None
     if plain:
+        if getattr(target.tokenizer, "chat_template", None) or trained:
+            whose = f"target {target.name} has a chat template" if getattr(target.tokenizer, "chat_template", None) \
+                else "the draft was trained with a chat template"
+            print(f"warning: {stage}: --no-chat-template on a chat model ({whose}): the prompts go in as plain text, "
+                  "not as a chat server formats them, so what is measured may not be what it serves", file=sys.stderr)
         return chat_prompt_ids(target.tokenizer, texts, plain=True)
-    template = resolve_template(target.tokenizer, chat_template or draft_record(draft)[1].get("chat_template"),
-                                where, f"target {target.name}")
+    template = resolve_template(target.tokenizer, chat_template or trained, where, f"target {target.name}")
+    if chat_template and trained and template != trained:
+        print(f"warning: {stage}: --chat-template {chat_template if template_file(chat_template) else '(given text)'} "
+              "is not the chat template the draft was trained with (the one its data was prepared with): its "
+              "acceptance on these prompts may not be what it gets where served with its own", file=sys.stderr)
     return chat_prompt_ids(target.tokenizer, texts, template)

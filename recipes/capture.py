@@ -26,7 +26,6 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from export.formats import exporter
 from recipes._common import one_line_errors, parse_args
 from trainer import faults
 from trainer.capture import capture_batch, right_pad, token_budget_batches
@@ -36,6 +35,7 @@ from trainer.data.shards import (
     MANIFEST,
     bytes_per_token,
     completed_shard,
+    load_manifest,
     pack_samples,
     shard_name,
     store_states,
@@ -45,9 +45,9 @@ from trainer.data.shards import (
 )
 from trainer.data.vocab import token_counts
 from trainer.dist import process_state
-from trainer.drafts.registry import get
+from trainer.drafts.registry import VLLM_METHOD, get
 from trainer.errors import DataError, DraftsmithError
-from trainer.io import atomic_write_json, claim_output, ensure_dir, guard_output, write_run_files
+from trainer.io import atomic_write_json, claim_output, ensure_dir, guard_output, sha256_file, write_run_files
 from trainer.target import TargetSource, cache_root, content_hash, load_target, resolve_target, target_hf_dir
 from trainer.vllm.capture import capture_in_vllm
 from trainer.vllm.servable import check_servable
@@ -109,7 +109,7 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
     # resolve: the target (once), the prepared data
     source = resolve_target(cfg.target)
     out = guard_output(cfg.output_dir, [cfg.data, source.path], "capture", cfg.overwrite)
-    warnings = check_servable(source, [exporter(a).METHOD for a in cfg.drafts], cfg.require_servable, "capture")
+    warnings = check_servable(source, [VLLM_METHOD[a] for a in cfg.drafts], cfg.require_servable, "capture")
     for line in warnings if state.is_main_process else ():  # before any work
         print(line, file=sys.stderr)
     ds, prepared = load_prepared(cfg.data)
@@ -129,6 +129,7 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
         check_space(out, sum(plan.lengths[i] for k in remaining for i in plan.shards[k]) * plan.bytes_per_token
                     + vocab_bytes(target.vocab_size))
         _open_output(out, cfg, plan.fingerprint)
+        check_finished(out)
     state.wait_for_everyone()
     done = (out / MANIFEST).is_file()
     # produce: this process's shards still to do (all of them for vLLM's engines)
@@ -151,6 +152,20 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
     if state.is_main_process and tokens_done and not done:
         record_speed(target.content_hash, cfg, tokens_done * workers / seconds if seconds > 0 else 0.0)
     return manifest
+
+
+def check_finished(out: Path) -> None:
+    """A finished capture (its manifest there) is complete only while every shard matches its
+    size and sha256 in the manifest: one line naming the first that does not."""
+    if not (out / MANIFEST).is_file():
+        return
+    for entry in load_manifest(out).manifest["shards"]:
+        p = out / entry["file"]
+        if not p.is_file() or p.stat().st_size != entry["bytes"] or sha256_file(p) != entry["sha256"]:
+            raise DataError(f"capture '{out}' is finished, but its shard {entry['file']} is "
+                            + ("missing" if not p.is_file() else f"corrupt (it does not match its size/sha256 in "
+                                                                 f"{MANIFEST})")
+                            + "; pass overwrite=true to capture again")
 
 
 def check_data(cfg: CaptureConfig, target, ds, prepared: dict) -> None:
@@ -203,12 +218,16 @@ def produce(cfg: CaptureConfig, target, ds, plan: Plan, out: Path, todo: list[in
         for k in todo:
             shard = ds.select(plan.shards[k])
             ids, masks = shard["input_ids"], shard["loss_mask"]
+            records = shard["index"] if "index" in shard.column_names else [None] * len(ids)
+            names = [f"{row} of '{cfg.data}'" + (f" (source record {r})" if r is not None else "")
+                     for row, r in zip(plan.shards[k], records)]  # the prepared row, and the record it came from
             samples: list[dict | None] = [None] * len(ids)
             for batch in token_budget_batches([len(x) for x in ids], cfg.max_tokens_per_batch):
                 input_ids, attention_mask = right_pad([ids[i] for i in batch], pad)  # [B, T]
                 states = capture_batch(target, input_ids, attention_mask, plan.layer_ids)
                 stored = {k: v.cpu() for k, v in store_states(states["aux_hidden_states"], states["last_hidden_state"],
-                                                              cfg.store_dtype).items()}
+                                                              cfg.store_dtype, samples=[names[i] for i in batch],
+                                                              lengths=[len(ids[i]) for i in batch]).items()}
                 argmax = states["target_argmax"].cpu()
                 for r, i in enumerate(batch):
                     T = len(ids[i])

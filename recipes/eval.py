@@ -9,8 +9,9 @@ from the draft's measured per-round cost.
     draftsmith eval --draft runs/smollm2-135m/dspark --ablation without_markov [--draft-option draft_topk=64]
     python recipes/eval.py --config recipes/configs/smollm2-135m/eval.yaml
 
-Without --num-draft-tokens, a trained draft is measured at the positions it was trained on
-(EAGLE-3: its TTT steps; DFlash: its block's K-1; DSpark: its block's K).
+Without --num-draft-tokens, an export is measured at the N it records (the N of its serve
+command), a trained draft at the positions it was trained on (EAGLE-3: its TTT steps; DFlash:
+its block's K-1; DSpark: its block's K).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ FLAGS = {"--target": ("target", "the target: an embedded alias, an HF model fold
          "--draft": ("draft", "'ngram', a trained draft folder (recipes/train.py) or an export folder"),
          "--dataset": ("dataset", "gsm8k, math500, humaneval, mtbench, sharegpt or jsonl:PATH"),
          "--num-draft-tokens": ("num_draft_tokens", "draft tokens per round (vLLM's num_speculative_tokens); "
-                                                    "default: the positions the draft was trained on"),
+                                                    "default: an export's recorded N, else the positions the "
+                                                    "draft was trained on"),
          "--temperature": ("temperature", "sampling temperature; 0 = greedy"),
          "--top-p": ("top_p", "nucleus sampling mass"), "--top-k": ("top_k", "top-k sampling; 0 = off"),
          "--num-prompts": ("num_prompts", "prompts decoded"),
@@ -136,12 +138,19 @@ def run(cfg: EvalConfig, argv=None) -> dict:
 
 def check_output_dir(cfg: EvalConfig, source) -> Path:
     """The report folder must be writable, never an input of the run (it may sit inside the
-    export it measures, which records the report), only ever an eval folder (eval replaces its
-    own report by default, nothing else), and, unless overwrite, hold no earlier report."""
+    export it measures, which records the report; inside any other export, never), only ever
+    an eval folder (eval replaces its own report by default, nothing else), and, unless
+    overwrite, hold no earlier report."""
     draft = None if cfg.draft == "ngram" else cfg.draft
     guard_output(cfg.output_dir, [draft, dataset_file(cfg.dataset), template_file(cfg.chat_template), source.path],
                  "eval", overwrite=True, allow_inside=[draft] if draft else [])
     out = Path(cfg.output_dir)
+    where = out.resolve()
+    export = next((p for p in (where, *where.parents) if (p / formats.EXPORT_MANIFEST).is_file()), None)
+    if export is not None and (draft is None or export != Path(draft).resolve()):
+        raise DraftsmithError(f"output_dir '{out}' is inside the export '{export}', which holds only reports of "
+                              f"itself (its recorded eval/, which upload trusts); measure that export there (--draft "
+                              f"{export}), or choose an --output-dir outside it")
     if out.exists() and not out.is_dir():
         raise DraftsmithError(f"output_dir '{out}' is a file, not a folder; choose another --output-dir")
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)

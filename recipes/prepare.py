@@ -17,14 +17,14 @@ from tqdm.auto import tqdm
 
 from recipes._common import one_line_errors, parse_args
 from trainer.config import PrepareConfig, to_yaml
-from trainer.data.chat import BadRecord, count_reasons, read_template, resolve_template, tokenize_chat
+from trainer.data.chat import BadRecord, count_reasons, read_template, resolve_template, template_file, tokenize_chat
 from trainer.data.prepared import tokenize, write_prepared
 from trainer.data.regenerate import apply_answers, regenerate
 from trainer.data.sources import Chats, read_mixture, resolve_source, source_entries, strict_stop
 from trainer.errors import DataError
 from trainer.families import served_max_model_len
 from trainer.io import fresh_output_dir, guard_output, publish_dir, write_run_files
-from trainer.target import cache_root, content_hash, load_target, resolve_target, target_hf_dir
+from trainer.target import TargetSource, cache_root, content_hash, load_target, resolve_target, target_hf_dir
 from trainer.vllm.regenerate import regenerate_in_vllm, requests_for, work_dir
 
 WHERE = "prepare chat_template"
@@ -35,7 +35,7 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
     target = resolve_target(cfg.target)
     read_template(cfg.chat_template, WHERE)
     guard_output(cfg.output_dir, [*(resolve_source(name) for name, _ in source_entries(cfg.source)), target.path,
-                                  cfg.chat_template if cfg.chat_template and "{" not in cfg.chat_template else None],
+                                  template_file(cfg.chat_template)],
                  "prepare", cfg.overwrite)
     staging = fresh_output_dir(cfg.output_dir, cfg.overwrite)
     try:
@@ -48,7 +48,7 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
                              progress=lambda records, desc: tqdm(records, desc=desc, unit="rec"))
         records = regenerated = None
         if cfg.regenerate.enabled:
-            records, regenerated = regenerate_chats(cfg, chats, tokenizer, template, hf_dir)
+            records, regenerated = regenerate_chats(cfg, chats, tokenizer, template, target, hf_dir)
         ds, late = tokenize(chats.kept, tokenizer, cfg.max_length, template, cfg.num_proc)
         if cfg.strict and late:
             first = min(late)
@@ -70,7 +70,8 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
     return summary
 
 
-def regenerate_chats(cfg: PrepareConfig, chats: Chats, tokenizer, template: str, hf_dir) -> tuple[list, dict]:
+def regenerate_chats(cfg: PrepareConfig, chats: Chats, tokenizer, template: str, target: TargetSource,
+                     hf_dir) -> tuple[list, dict]:
     """Every assistant turn of `chats` replaced by the target's own answer (in place), by the
     configured engine: the records (trainer/data/regenerate.py's, each with its source record's
     index) and what to record of the run (engine, version, settings, throughput). A conversation
@@ -85,7 +86,7 @@ def regenerate_chats(cfg: PrepareConfig, chats: Chats, tokenizer, template: str,
                 raise strict_stop(r["index"], chats.source_of(r["index"]), err.reason, err.detail) from None
             chats.skipped.append((r["index"], err.reason))
     chats.kept = fits
-    records, report = answer(cfg, [r["messages"] for r in fits], template, hf_dir)
+    records, report = answer(cfg, [r["messages"] for r in fits], template, target, hf_dir)
     convs, ended, cut = apply_answers([r["messages"] for r in fits], records, cfg.regenerate.truncated)
     chats.skipped += [(fits[c]["index"], reason) for c, reason in ended.items()]
     chats.dropped.update(cut)
@@ -94,7 +95,8 @@ def regenerate_chats(cfg: PrepareConfig, chats: Chats, tokenizer, template: str,
     return records, report
 
 
-def answer(cfg: PrepareConfig, conversations: list[list[dict]], template: str, hf_dir) -> tuple[list, dict]:
+def answer(cfg: PrepareConfig, conversations: list[list[dict]], template: str, source: TargetSource,
+           hf_dir) -> tuple[list, dict]:
     """The target's answers to every assistant turn (records in conversation and turn order) by
     the configured engine, and the run's report. vLLM's work folder (its resume state) is
     removed once done."""
@@ -119,7 +121,7 @@ def answer(cfg: PrepareConfig, conversations: list[list[dict]], template: str, h
                             data_parallel_size=rg.data_parallel_size, prefix_caching=rg.prefix_caching)
         else:
             t0 = time.perf_counter()
-            target = load_target(cfg.target, rg.dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+            target = load_target(source, rg.dtype, device="cuda" if torch.cuda.is_available() else "cpu")
             started = time.perf_counter() - t0
             t0 = time.perf_counter()
             records = regenerate(target, conversations, max_new_tokens=rg.max_new_tokens, max_model_len=max_model_len,

@@ -33,7 +33,6 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from export.formats import exporter
 from recipes._common import one_line_errors, parse_args
 from trainer import faults
 from trainer.config import TrainConfig, to_yaml
@@ -43,7 +42,7 @@ from trainer.data.shards import DRAFT_VOCAB, verify_capture
 from trainer.data.vocab import build_draft_vocab, token_counts
 from trainer.dist import check_world_size, flag
 from trainer.drafts.folder import save_draft
-from trainer.drafts.registry import TrainStep, build, get
+from trainer.drafts.registry import VLLM_METHOD, TrainStep, build, get
 from trainer.drafts.shape import DEFAULT_DRAFT_VOCAB_SIZE
 from trainer.errors import DraftsmithError
 from trainer.families import served_max_model_len
@@ -162,20 +161,20 @@ def load_data(cfg: TrainConfig, target):
         return PreparedSamples(ds, cfg.max_length), ids, d2t, t2d, counts, {
             "prepared": str(cfg.data), "online": cfg.online.engine, "chat_template": summary.get("chat_template")}
     info = verify_capture(cfg.data)  # manifest complete, shards intact and as described (hashed once here)
-    m = info.manifest
-    t = m["target"]
-    mismatch = [f"{k} {t[k]} != {v}" for k, v in (("sha256", target.content_hash), ("hidden_size", target.hidden_size),
-                                                  ("vocab_size", target.vocab_size), ("num_layers", target.num_layers))
-                if t[k] != v]
+    manifest = info.manifest
+    made_by = manifest["target"]
+    have = (("sha256", target.content_hash), ("hidden_size", target.hidden_size),
+            ("vocab_size", target.vocab_size), ("num_layers", target.num_layers))
+    mismatch = [f"{k} {made_by[k]} != {v}" for k, v in have if made_by[k] != v]
     if mismatch:
-        raise DraftsmithError(f"capture '{cfg.data}' was made from {t['name']}, not this target ({target.name}): "
+        raise DraftsmithError(f"capture '{cfg.data}' was made from {made_by['name']}, not this target ({target.name}): "
                               f"{'; '.join(mismatch)}; capture again with this target")
-    ids = list(cfg.draft.aux_layer_ids or m["draft_layer_ids"].get(cfg.algorithm)
+    ids = list(cfg.draft.aux_layer_ids or manifest["draft_layer_ids"].get(cfg.algorithm)
                or algo.default_layer_ids(target.num_layers))
     vocab = load_file(info.path / DRAFT_VOCAB)
     dataset = CapturedSamples(info.path, cfg.max_length, ids)  # refuses ids the capture does not hold
     return dataset, ids, vocab["d2t"], vocab["t2d"], vocab["counts"], {
-        "capture": str(cfg.data), "chat_template": m["data"].get("chat_template")}
+        "capture": str(cfg.data), "chat_template": manifest["data"].get("chat_template")}
 
 
 def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
@@ -186,7 +185,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
         raise DraftsmithError(f"output_dir '{out}' exists; pass resume=latest to continue or overwrite=true")
     if cfg.resume is not None and not out.is_dir():
         raise DraftsmithError(f"resume={cfg.resume} but output_dir '{out}' does not exist; drop resume to start fresh")
-    servable_warnings = check_servable(source, [exporter(cfg.algorithm).METHOD], cfg.require_servable, "train")
+    servable_warnings = check_servable(source, [VLLM_METHOD[cfg.algorithm]], cfg.require_servable, "train")
     created = not out.exists() or (cfg.overwrite and cfg.resume is None)
     accelerator = make_accelerator(cfg, out)
     if accelerator.is_main_process:
@@ -319,6 +318,11 @@ def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, 
             bar.update(1)
             if progress.step % cfg.log_every == 0 or progress.step == total_steps:
                 stats = window.reduce(accelerator)  # tokens: all processes, since the last log line
+                if not math.isfinite(stats["loss"]):  # every rank sees the same reduced loss, and stops
+                    bar.close()
+                    raise DraftsmithError(f"step {progress.step}: the loss is {stats['loss']}, not finite; the states "
+                                          "may hold inf/NaN (check the capture: `draftsmith inspect-capture "
+                                          f"{cfg.data}`) or the learning rate is too high")
                 tokens += stats.pop("tokens")
                 elapsed = time.perf_counter() - t0
                 stats.update(step=progress.step, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens / elapsed)
@@ -327,7 +331,8 @@ def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, 
                         online.source.refresh()
                     stats["online"] = online.source.stats.line(elapsed)
                 history.append(stats)
-                accelerator.log({k: v for k, v in stats.items() if isinstance(v, (int, float))}, step=progress.step)
+                scalars = {**stats, **{f"online/{k}": v for k, v in stats.get("online", {}).items()}}
+                accelerator.log({k: v for k, v in scalars.items() if isinstance(v, (int, float))}, step=progress.step)
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau']:.2f}",
                                 tok_s=f"{stats['tokens_per_s']:.0f}",
                                 **({"online": stats["online"]["bound"]} if online is not None else {}))

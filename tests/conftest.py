@@ -167,6 +167,15 @@ def splice_prepared(prepared: Path, rows: dict) -> None:
     (prepared / "summary.json").write_text(json.dumps(summary))
 
 
+def skip_unless_ci(reason: str) -> None:
+    """Skip a test that needs what this machine cannot give (a tmpfs mount, say), except under
+    DRAFTSMITH_REQUIRE_VLLM=1 (.ci/run sets it): CI's machine can, so there the skip would hide a
+    failure, and the test fails instead."""
+    if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
+        pytest.fail(f"{reason} (DRAFTSMITH_REQUIRE_VLLM=1: CI skips nothing)")
+    pytest.skip(reason)
+
+
 def require_vllm() -> None:
     """Skip a test without a vLLM environment, unless DRAFTSMITH_REQUIRE_VLLM=1 (.ci/run sets it):
     then its absence is an error, never a skip that hides a failure."""

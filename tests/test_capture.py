@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from recipes import capture, prepare
-from tests.conftest import REPO
+from tests.conftest import REPO, skip_unless_ci
 from trainer import faults
 from trainer.capture import capture_batch, right_pad, token_budget_batches
 from trainer.config import CaptureConfig, PrepareConfig
@@ -231,7 +231,7 @@ def test_estimate_before_anything_runs_and_a_capture_that_cannot_fit_is_refused(
     small.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here: {r.stderr.decode().strip()}")
+        skip_unless_ci(f"cannot mount a small filesystem here: {r.stderr.decode().strip()}")
     try:
         capture.main([*argv, f"output_dir={small / 'cap'}", "estimate=true", "store_dtype=float32"])
         assert "DOES NOT FIT" in capsys.readouterr().out

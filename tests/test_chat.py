@@ -99,3 +99,31 @@ def test_smollm2_template_mask(smollm2):
     # SmolLM2 adds its default system prompt; only the answers (and <|im_end|>) are masked.
     assert _masked_text(tok, t) == ["Paris is the capital of France.<|im_end|>",
                                     "How can I help you today?<|im_end|>"]
+
+
+def test_a_template_file_is_read_as_a_file_and_its_problems_named(tiny_target_dir, good_chats_jsonl, tmp_path, capsys):
+    """Through prepare: a template file whose path holds a `{` is still a file; an empty template
+    file, and a file of plain text that renders no message content, are one line each that say
+    so (not "none was given", not the source's fault); no template file is changed."""
+    import json
+
+    from recipes import prepare
+    from tests.test_bad_input import one_line_error
+    from tests.test_nothing_lost import _unchanged
+
+    folder = tmp_path / "templates{v2}"
+    folder.mkdir()
+    braced = folder / "chatml.jinja"
+    braced.write_text(CHATML)
+    base = [f"target={tiny_target_dir}", f"source={good_chats_jsonl}", "max_length=256"]
+    _unchanged(lambda: prepare.main([*base, f"output_dir={tmp_path / 'p'}", f"chat_template={braced}"]), braced)
+    assert json.loads((tmp_path / "p" / "summary.json").read_text())["chat_template"] == CHATML
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("")
+    plain = tmp_path / "plain.jinja"
+    plain.write_text("hello\n")
+    for path, expect in ((empty, "is empty"), (plain, "renders no message content")):
+        argv = [*base, f"output_dir={tmp_path / 'q'}", f"chat_template={path}"]
+        _unchanged(lambda argv=argv, path=path, expect=expect: one_line_error(capsys, prepare.main, argv, str(path),
+                                                                              expect), path, good_chats_jsonl)
+        assert not (tmp_path / "q").exists()

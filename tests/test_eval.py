@@ -1,9 +1,16 @@
 import json
+import shutil
 
 import pytest
 
+from export import formats
 from recipes import eval as eval_recipe
-from tests.conftest import write_jsonl
+from recipes import export_draft as export_recipe
+from recipes import train
+from tests.conftest import CHATML, REPO, write_jsonl
+from tests.test_bad_input import one_line_error
+from tests.test_chat import LLAMA3_STYLE
+from tests.test_nothing_lost import _unchanged
 from trainer.data import evalsets
 from trainer.errors import DataError
 from trainer.metrics import CostModel, best_num_draft_tokens, expected_accepted_length
@@ -100,3 +107,111 @@ def test_block_drafts_get_a_flat_draft_cost_and_their_own_best_n():
     got = {name: best_num_draft_tokens(cum, cond, c)["best_n"] for name, c in (("chained", chained), ("block", block))}
     assert got == by_hand
     assert got["block"] > got["chained"]  # a flat draft cost pays for the longer block
+
+
+# --- issue 30: an export's N, option types, reports inside an export, template warnings ----------------------
+
+TINY = REPO / "recipes" / "configs" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def dspark_draft(tmp_path_factory, tiny_capture, tiny_target_dir):
+    """A tiny DSpark draft, blocks of 4: trained on K = 4 positions (two steps: only its shape matters)."""
+    out = tmp_path_factory.mktemp("eval-drafts") / "dspark"
+    train.main(["--config", str(TINY / "dspark.yaml"), f"data={tiny_capture}", f"target={tiny_target_dir}",
+                f"output_dir={out}", "max_steps=2", "save_every=1000"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def dspark_export(dspark_draft, tmp_path_factory):
+    """Its export serving N = 2 of its 4 trained positions (what the manifest and its serve line record)."""
+    out = tmp_path_factory.mktemp("eval-exports") / "export"
+    export_recipe.main(["--draft", str(dspark_draft), "--output-dir", str(out), "--num-draft-tokens", "2"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("eval-prompts") / "p.jsonl", [{"prompt": "Hello!"}])
+
+
+def _eval(*argv):
+    return ["--num-prompts", "1", "--max-new-tokens", "6", *argv]
+
+
+def test_eval_of_an_export_measures_the_n_it_serves(dspark_export, prompts_file, tmp_path):
+    """Without --num-draft-tokens an export is measured at the N its manifest records (the N of
+    its printed serve command), not at the positions its draft was trained on."""
+    m = json.loads((dspark_export / formats.EXPORT_MANIFEST).read_text())
+    assert m["num_draft_tokens"] == 2  # its serve line: --speculative-config {... "num_speculative_tokens": 2}
+    eval_recipe.main(_eval("--draft", str(dspark_export), "--dataset", f"jsonl:{prompts_file}", "--output-dir",
+                           str(tmp_path / "ev")))
+    r = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert r["num_draft_tokens"] == 2 and len(r["conditional_acceptance"]) == 2
+
+
+@pytest.mark.parametrize("option, expect", [
+    ("draft_topk=abc", "draft_topk='abc' is not an integer"),
+    ("draft_topk=2.5", "draft_topk=2.5 is not an integer"),
+    ("draft_topk=true", "draft_topk=True is not an integer"),
+    ("markov=maybe", "markov='maybe' is not true or false"),
+    ("markov=1", "markov=1 is not true or false"),
+])
+def test_a_draft_option_of_the_wrong_type_is_one_line(dspark_draft, prompts_file, tmp_path, capsys, option, expect):
+    argv = _eval("--draft", str(dspark_draft), "--dataset", f"jsonl:{prompts_file}", "--draft-option", option,
+                 "--output-dir", str(tmp_path / "ev"))
+    _unchanged(lambda: one_line_error(capsys, eval_recipe.main, argv, expect), dspark_draft, prompts_file)
+    assert not (tmp_path / "ev").exists()
+
+
+def test_draft_options_of_the_right_type_are_taken(dspark_draft, prompts_file, tmp_path):
+    eval_recipe.main(_eval("--draft", str(dspark_draft), "--dataset", f"jsonl:{prompts_file}", "--draft-option",
+                           "markov=false", "--draft-option", "draft_topk=8", "--output-dir", str(tmp_path / "ev")))
+    r = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert r["draft_options"] == {"markov": False, "draft_topk": 8}
+
+
+def test_only_the_export_itself_reports_inside_an_export(dspark_export, dspark_draft, prompts_file, tiny_target_dir,
+                                                         tmp_path, capsys):
+    """An export records the eval report of itself (upload trusts it): another draft's eval, or an
+    n-gram eval (of any target), never writes into it, not over its eval/ nor beside it."""
+    export = tmp_path / "export"
+    shutil.copytree(dspark_export, export)
+    data = ["--dataset", f"jsonl:{prompts_file}"]
+    eval_recipe.main(_eval("--draft", str(export), *data, "--output-dir", str(export / "eval")))
+    assert "eval/report.json" in json.loads((export / formats.EXPORT_MANIFEST).read_text())["added_files"]
+    for draft in (["--draft", "ngram", "--target", str(tiny_target_dir)], ["--draft", str(dspark_draft)]):
+        for out in (export / "eval", export / "other"):
+            argv = _eval(*draft, *data, "--output-dir", str(out), "overwrite=true")
+            _unchanged(lambda argv=argv: one_line_error(capsys, eval_recipe.main, argv, "is inside the export",
+                                                        str(export)), export)
+    assert not (export / "other").exists()
+
+
+def _warnings(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("warning:")]
+
+
+def test_prompts_without_or_with_another_chat_template_are_said(dspark_draft, prompts_file, tmp_path, capsys):
+    """eval --no-chat-template on a chat model, and --chat-template other than the template the
+    draft was trained with: one warning line each, and the measurement goes on."""
+    data = ["--dataset", f"jsonl:{prompts_file}"]
+    capsys.readouterr()
+    eval_recipe.main(_eval("--draft", str(dspark_draft), *data, "--no-chat-template", "--output-dir",
+                           str(tmp_path / "plain")))
+    w = _warnings(capsys.readouterr().err)
+    assert len(w) == 1 and "--no-chat-template" in w[0] and "has a chat template" in w[0], w
+    assert (tmp_path / "plain" / "report.json").is_file()
+    other = tmp_path / "other.jinja"
+    other.write_text(LLAMA3_STYLE)
+    eval_recipe.main(_eval("--draft", str(dspark_draft), *data, "--chat-template", str(other), "--output-dir",
+                           str(tmp_path / "other")))
+    w = _warnings(capsys.readouterr().err)
+    assert len(w) == 1 and "--chat-template" in w[0] and "trained with" in w[0], w
+    assert (tmp_path / "other" / "report.json").is_file()
+    same = tmp_path / "same.jinja"  # the template the draft was trained with: nothing to say
+    same.write_text(CHATML)
+    eval_recipe.main(_eval("--draft", str(dspark_draft), *data, "--chat-template", str(same), "--output-dir",
+                           str(tmp_path / "same")))
+    assert _warnings(capsys.readouterr().err) == []

@@ -15,7 +15,7 @@ import pytest
 from recipes import capture, cli, prepare, train
 from recipes import eval as eval_recipe
 from recipes import export_draft as export_recipe
-from tests.conftest import GOOD_CHATS, REPO, write_jsonl
+from tests.conftest import GOOD_CHATS, REPO, skip_unless_ci, write_jsonl
 from tests.test_bad_input import one_line_error
 
 TINY_EAGLE3 = REPO / "recipes" / "configs" / "tiny" / "eagle3.yaml"
@@ -218,7 +218,7 @@ def read_only(tmp_path):
         return
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot make a read-only folder as root here: {r.stderr.decode().strip()}")
+        skip_unless_ci(f"cannot make a read-only folder as root here: {r.stderr.decode().strip()}")
     yield d
     subprocess.run(["umount", str(d)], check=False)
 
@@ -306,3 +306,168 @@ def test_a_home_relative_path_means_the_same_place_everywhere(own, tiny_target_d
                                                            "overwrite=true"], "is an input"), home / "cap")
     prepare.main([f"source={own['src']}", "output_dir=~/p", f"target={tiny_target_dir}", "max_records=4"])
     assert (home / "p" / "summary.json").is_file() and not (work / "~").exists()
+
+
+# --- non-finite states, a finished capture that is not, and targets that are not whole (issue 30) ------------
+
+def _untied_target_with_inf_row(path, tokenizer, token_id):
+    """The tiny target with its input embedding of `token_id` set to inf (untied from the head: the
+    logits of every other token stay finite, so the target loads; only samples holding that token
+    get inf/NaN states)."""
+    import torch
+
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(len(tokenizer))
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    with torch.no_grad():
+        model.model.embed_tokens.weight[token_id] = float("inf")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _rehash_shard(cap, k, tensors):
+    """Shard k rewritten with `tensors` and its size/sha256 fixed up in the manifest and sidecar (a
+    hand edit that the sha256 check alone cannot see)."""
+    from safetensors.torch import save_file
+
+    from trainer.data.shards import FORMAT
+    from trainer.io import sha256_file
+
+    p = cap / f"shard-{k:05d}.safetensors"
+    save_file(tensors, str(p), metadata={"format": FORMAT})
+    entry = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    m = json.loads((cap / "manifest.json").read_text())
+    m["shards"][k].update(entry)
+    (cap / "manifest.json").write_text(json.dumps(m))
+    side = json.loads(p.with_suffix(".json").read_text())
+    p.with_suffix(".json").write_text(json.dumps({**side, **entry}))
+
+
+def test_a_sample_with_non_finite_states_is_never_stored(tiny_tokenizer, tmp_path, capsys):
+    """float8 scales each row by its max |x|: one inf makes the whole row NaN. A sample whose
+    target states hold inf/NaN is refused by name at capture, and its shard is never written."""
+    from datasets import load_from_disk
+
+    others = {t for c in (GOOD_CHATS[0], GOOD_CHATS[1], GOOD_CHATS[3]) for t in tiny_tokenizer.encode(json.dumps(c))}
+    token = next(t for t in tiny_tokenizer.encode("1 2 3 4 5") if t not in others and t > 8)  # in GOOD_CHATS[2] only
+    target = _untied_target_with_inf_row(tmp_path / "target", tiny_tokenizer, token)
+    src = write_jsonl(tmp_path / "c.jsonl", GOOD_CHATS)
+    prepare.main([f"output_dir={tmp_path / 'p'}", f"target={target}", f"source={src}", "max_length=256"])
+    rows = [r for r, ids in enumerate(load_from_disk(str(tmp_path / "p" / "data"))["input_ids"]) if token in ids]
+    assert len(rows) == 1
+    cap = tmp_path / "cap"
+    _unchanged(lambda: one_line_error(capsys, capture.main, [f"data={tmp_path / 'p'}", f"output_dir={cap}",
+                                                             f"target={target}", "store_dtype=float8_e4m3",
+                                                             "samples_per_shard=2", "draft_vocab_size=64"],
+                                      f"sample {rows[0]}", "inf/NaN"), tmp_path / "p", target)
+    assert not (cap / "manifest.json").exists()
+    assert not (cap / f"shard-{rows[0] // 2:05d}.safetensors").exists()
+
+
+@pytest.fixture
+def float8_capture(own, tiny_target_dir, tmp_path):
+    cap = tmp_path / "cap8"
+    capture.main([f"data={own['prepared']}", f"output_dir={cap}", f"target={tiny_target_dir}",
+                  "store_dtype=float8_e4m3", "samples_per_shard=8", "draft_vocab_size=64"])
+    return cap
+
+
+def test_an_inf_scale_in_a_float8_capture_is_refused(float8_capture, tiny_target_dir, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    cap = float8_capture
+    tensors = load_file(cap / "shard-00001.safetensors")
+    tensors["aux_scales"][3, 1] = float("inf")
+    _rehash_shard(cap, 1, tensors)
+    out = tmp_path / "d"
+    for fn, argv in ((cli.main, ["inspect-capture", str(cap)]),
+                     (train.main, ["--config", str(TINY_EAGLE3), f"data={cap}", f"target={tiny_target_dir}",
+                                   f"output_dir={out}", "max_steps=2"])):
+        _unchanged(lambda fn=fn, argv=argv: one_line_error(capsys, fn, argv, "shard-00001.safetensors", "aux_scales",
+                                                           "not finite"), cap)
+    assert not out.exists()
+
+
+def test_a_non_finite_loss_stops_training(own, tiny_target_dir, tmp_path, capsys):
+    """States a sha256 cannot vouch for (float32 NaN, manifest fixed up): the run stops at the step
+    whose loss is not finite, says where to look, and leaves no folder."""
+    from safetensors.torch import load_file
+
+    cap = own["capture"]
+    for k in range(len(json.loads((cap / "manifest.json").read_text())["shards"])):
+        tensors = load_file(cap / f"shard-{k:05d}.safetensors")
+        tensors["aux_hidden_states"][:] = float("nan")
+        _rehash_shard(cap, k, tensors)
+    out = tmp_path / "d"
+    _unchanged(lambda: one_line_error(capsys, train.main, ["--config", str(TINY_EAGLE3), f"data={cap}",
+                                                           f"target={tiny_target_dir}", f"output_dir={out}",
+                                                           "max_steps=4", "log_every=1"],
+                                      "step 1", "not finite", "inspect-capture"), cap)
+    assert not out.exists()
+
+
+def test_rerunning_a_finished_capture_with_a_corrupt_shard_is_not_complete(own, tiny_target_dir, capsys):
+    cap = own["capture"]
+    data = bytearray((cap / "shard-00001.safetensors").read_bytes())
+    data[-3] ^= 0x40
+    (cap / "shard-00001.safetensors").write_bytes(bytes(data))
+    argv = [f"data={own['prepared']}", f"output_dir={cap}", f"target={tiny_target_dir}", "samples_per_shard=8",
+            "draft_vocab_size=64", "store_dtype=float32"]
+    _unchanged(lambda: one_line_error(capsys, capture.main, argv, "shard-00001.safetensors", "overwrite=true"),
+               cap, own["prepared"])
+    capture.main([*argv, "overwrite=true"])  # what the line says redoes it
+    cli.main(["inspect-capture", str(cap)])
+
+
+def test_regeneration_that_leaves_no_conversation_is_one_line(own, tiny_target_dir, tmp_path, capsys):
+    """Every answer cut at max_new_tokens and truncated=drop: nothing is left to prepare."""
+    out = tmp_path / "p"
+    _unchanged(lambda: one_line_error(capsys, prepare.main, [f"output_dir={out}", f"target={tiny_target_dir}",
+                                                             f"source={own['src']}", "regenerate.enabled=true",
+                                                             "regenerate.max_new_tokens=1",
+                                                             "regenerate.truncated=drop"],
+                                      "no usable conversations"), own["src_dir"])
+    assert not out.exists()
+
+
+def test_a_truncated_gguf_is_one_line(own, tmp_path, capsys):
+    from trainer.target import resolve_target
+
+    cut = tmp_path / "cut" / "SmolLM2-cut.gguf"
+    cut.parent.mkdir()
+    with open(resolve_target("smollm2-135m-instruct").path, "rb") as f:
+        cut.write_bytes(f.read(1 << 20))
+    for fn, argv in ((prepare.main, [f"output_dir={tmp_path / 'p'}", f"target={cut}", f"source={own['src']}"]),
+                     (eval_recipe.main, ["--target", str(cut), "--num-prompts", "1", "--output-dir",
+                                         str(tmp_path / "ev")])):
+        _unchanged(lambda fn=fn, argv=argv: one_line_error(capsys, fn, argv, f"target '{cut}'",
+                                                           "is not a complete GGUF file"), cut.parent)
+    assert not (tmp_path / "p").exists() and not (tmp_path / "ev").exists()
+
+
+def test_a_target_folder_without_tokenizer_files_is_one_line(own, tiny_target_dir, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for p in tiny_target_dir.iterdir():
+        if p.name in ("config.json", "generation_config.json") or p.suffix == ".safetensors":
+            shutil.copyfile(p, bare / p.name)
+    for fn, argv in ((prepare.main, [f"output_dir={tmp_path / 'p'}", f"target={bare}", f"source={own['src']}"]),
+                     (eval_recipe.main, ["--target", str(bare), "--num-prompts", "1", "--output-dir",
+                                         str(tmp_path / "ev")])):
+        _unchanged(lambda fn=fn, argv=argv: one_line_error(capsys, fn, argv, str(bare), "no tokenizer files"), bare)
+    assert not (tmp_path / "p").exists() and not (tmp_path / "ev").exists()
+
+
+def test_a_vllm_python_that_is_not_there_is_one_line(own, tiny_target_dir, tmp_path, monkeypatch, capsys):
+    """DRAFTSMITH_VLLM_PYTHON naming no file: one line naming the variable and the path, from a
+    stage that needs vLLM's python (prepare's regeneration in vLLM); nothing written or changed."""
+    missing = tmp_path / "nope" / "bin" / "python"
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", str(missing))
+    argv = [f"output_dir={tmp_path / 'p'}", f"target={tiny_target_dir}", f"source={own['src']}", "max_records=2",
+            "regenerate.enabled=true", "regenerate.engine=vllm"]
+    _unchanged(lambda: one_line_error(capsys, prepare.main, argv, "DRAFTSMITH_VLLM_PYTHON", str(missing)),
+               own["src_dir"])
+    assert not (tmp_path / "p").exists()

@@ -141,7 +141,9 @@ STATE_RTOL = 1e-3
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory):
     """One prepared set (12 packaged chats) captured by both engines, fp32 throughout; the vLLM
-    capture killed after its first shard and resumed."""
+    capture killed after its first shard, that shard then corrupted, and resumed with vLLM's engine
+    core in its own process (as tensor or pipeline parallelism runs it: the flush after the last
+    request must not wait for an output that never comes), which redoes the corrupt shard."""
     d = tmp_path_factory.mktemp("vcap")
     r = subprocess.run([sys.executable, str(REPO / "recipes" / "prepare.py"), f"output_dir={d / 'prepared'}",
                         "source=mtbench-chats", "max_records=12", "max_length=512"], capture_output=True, text=True,
@@ -157,8 +159,16 @@ def captures(tmp_path_factory):
     killed = subprocess.run(vllm, capture_output=True, text=True, cwd=REPO, timeout=900,
                             env={**env, "DRAFTSMITH_FAULT_CAPTURE_AFTER_BATCHES": "1"})
     assert killed.returncode == 2 and "vLLM capture failed (exit 17)" in killed.stderr, killed.stderr[-2000:]
-    assert len(list((d / "vllm").glob("shard-*.json"))) == 1  # one shard complete, two to do
-    resumed = subprocess.run(vllm, capture_output=True, text=True, cwd=REPO, timeout=900, env=env)
+    sidecars = list((d / "vllm").glob("shard-*.json"))
+    assert len(sidecars) == 1  # one shard complete, two to do
+    shard = sidecars[0].with_suffix(".safetensors")
+    with open(shard, "r+b") as f:  # its sidecar stays: only the sha256 tells
+        f.seek(shard.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    resumed = subprocess.run(vllm, capture_output=True, text=True, cwd=REPO, timeout=900,
+                             env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return d
 

@@ -92,6 +92,13 @@ def resolve_target(spec: str) -> TargetSource:
                                   "real .gguf, an HF model folder or an embedded alias")
         return TargetSource(name=path.stem, path=path.resolve(), kind="gguf")  # absolute: recorded, found from anywhere
     if path.is_dir() and (path / "config.json").is_file():
+        # a tokenizer in any form AutoTokenizer reads (fast, SentencePiece, BPE vocab, WordPiece, tiktoken, tekken)
+        tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                           "sentencepiece.bpe.model", "tekken.json")
+        if not any((path / f).is_file() for f in tokenizer_files) and not any(path.glob("*.tiktoken")):
+            raise TargetError(f"target '{spec}' is a model folder that holds no tokenizer files "
+                              f"({', '.join(tokenizer_files[:3])}…); copy the model's tokenizer files into it "
+                              "(they come with the model on the Hub)")
         return TargetSource(name=path.resolve().name, path=path.resolve(), kind="hf")
     raise TargetError(
         f"target '{spec}' is neither an embedded alias ({', '.join(EMBEDDED_TARGETS)}), "
@@ -158,6 +165,19 @@ def gguf_to_hf_dir(source: TargetSource, digest: str) -> Path:
     out = cache_root() / "targets" / f"{source.path.stem}-{digest[:16]}"
     if (out / "config.json").is_file():
         return out
+
+    def incomplete() -> str | None:
+        """Why the file is not a whole GGUF (read once the conversion failed: the GGUF reader
+        fails on a cut-short file with struct.error, IndexError or a numpy reshape), or None."""
+        size = source.path.stat().st_size
+        try:
+            reader = GGUFReader(str(source.path))
+            end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+        except Exception as err:
+            return f"{size:,} bytes, cut short or damaged: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        return f"its tensors end at byte {end:,}, the file at {size:,}" if end > size else \
+            "it holds no tensors" if not reader.tensors else None
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
     try:
@@ -179,8 +199,12 @@ def gguf_to_hf_dir(source: TargetSource, digest: str) -> Path:
             os.rename(tmp, out)
         except OSError:  # another process finished first
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        why = incomplete() if isinstance(err, Exception) else None
+        if why:
+            raise TargetError(f"target '{source.spec}' is not a complete GGUF file ({why}); download it again or "
+                              "pass a complete .gguf") from None
         raise
     return out
 
@@ -416,4 +440,23 @@ def load_target(spec: str | TargetSource, dtype: str = "float32", device: str | 
     target = Target(model, tokenizer, name=source.name, path=str(source.path), digest=digest, hf_dir=str(hf_dir))
     target.license = read_license(source)
     target.spec = source.spec
+    if not target.head_only:
+        check_logits(target, str(spec))
     return target
+
+
+@torch.no_grad()
+def check_logits(target: Target, spec: str) -> None:
+    """draftsmith computes a target's logits from its parts (head, final norm, the family's
+    transform: trainer/families.py) wherever it labels a draft or decodes. Held to the family's
+    own forward on a few tokens at every full load: a family read wrongly (a logit scale this
+    version does not know) is refused in one line instead of training a draft on wrong labels."""
+    ids = torch.arange(1, 9, device=target.device)[None] % target.vocab_size  # [1, 8]
+    theirs = target.model(input_ids=ids).logits.float()  # [1, 8, V]
+    ours = target.forward(ids).logits.float()
+    error = float((ours - theirs).norm() / theirs.norm().clamp_min(1e-6))
+    if not error < 1e-2:
+        family = getattr(target.model.config.get_text_config(), "model_type", "?")
+        raise TargetError(f"target '{spec}' ({family}): draftsmith's logits from its head and final norm differ from "
+                          f"its own forward (relative error {error:.3g}); this family's logit transform is not one "
+                          "draftsmith knows (trainer/families.py), so its drafts would train on wrong labels")

@@ -23,9 +23,9 @@ class EvalConfig:
     no_chat_template: bool = False
     num_prompts: int = 16
     max_new_tokens: int = 128
-    # vLLM's num_speculative_tokens. null: the positions the draft was trained on (its
-    # Config.num_positions: EAGLE-3's TTT steps, a DFlash block's K-1, a DSpark block's K);
-    # NGRAM_DRAFT_TOKENS for the n-gram baseline.
+    # vLLM's num_speculative_tokens. null: for an export, the N it records (its serve line's); for a
+    # trained draft, the positions it was trained on (its Config.num_positions: EAGLE-3's TTT steps,
+    # a DFlash block's K-1, a DSpark block's K); NGRAM_DRAFT_TOKENS for the n-gram baseline.
     num_draft_tokens: int | None = None
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -45,7 +45,8 @@ class EvalConfig:
 
     def validate(self) -> None:
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
-            raise ConfigError("num_draft_tokens must be >= 1, or null for the positions the draft was trained on")
+            raise ConfigError("num_draft_tokens must be >= 1, or null for the N an export records (a trained draft: "
+                              "the positions it was trained on)")
         if self.num_prompts < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise ConfigError("num_prompts, max_new_tokens and batch_size must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:

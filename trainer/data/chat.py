@@ -133,37 +133,51 @@ class Tokenized:
     loss_mask: list[int]  # 1 exactly on assistant tokens (content and end-of-turn)
 
 
+def _is_file(given: str) -> bool:
+    return os.path.isfile(given)  # False, never an error, for text that cannot be a path
+
+
 def template_file(given: str | None) -> str | None:
-    """The file a given chat template names (read_template's rule: text holding a `{` is the
-    template itself), or None: what a stage that reads it must protect from its output."""
-    return given if given and "{" not in given else None
+    """The file a given chat template names (read_template's rule: a path where a file exists
+    is that file, else text holding a `{` is the template itself), or None: what a stage that
+    reads it must protect from its output."""
+    return given if given and (_is_file(given) or "{" not in given) else None
 
 
 def read_template(given: str | None, where: str) -> str | None:
-    """The text of a given chat template: `given` itself when it is Jinja text (it holds a
-    `{`), else the file it names, which must exist and be UTF-8; compiled once, before any
-    work (check_template). None when none was given. One line for each problem."""
+    """The text of a given chat template: the file `given` names where one exists (its path may
+    hold a `{`), else `given` itself when it is Jinja text (it holds a `{`); a file must be UTF-8
+    and not empty; compiled once, before any work (check_template). None when none was given.
+    One line for each problem."""
     if given is None:
         return None
     text = given
-    if "{" not in given:
-        if not os.path.isfile(given):
-            raise DataError(f"{where}: chat template '{given}' is neither Jinja text nor a file (looked for it from "
-                            f"{os.getcwd()}); pass the path of a Jinja file or the template itself")
+    if _is_file(given):
         try:
             with open(given, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as err:
             raise DataError(f"{where}: chat template file '{given}' cannot be read ({err}); pass a UTF-8 Jinja file") \
                 from None
+        if not text.strip():
+            raise DataError(f"{where}: chat template file '{given}' is empty; write a Jinja chat template into it, "
+                            "or give none to use the target's own")
+    elif "{" not in given:
+        raise DataError(f"{where}: chat template '{given}' is neither Jinja text nor a file (looked for it from "
+                        f"{os.getcwd()}); pass the path of a Jinja file or the template itself")
     check_template(text, where)
     return text
 
 
+# A chat a template is tried on before any work: its content must come out in the rendering.
+PROBE = [{"role": "user", "content": "Probe question 17?"}, {"role": "assistant", "content": "Probe answer 42."}]
+
+
 def resolve_template(tokenizer, given: str | None, where: str, owner: str = "the target") -> str:
     """The chat template to use: `given` (the text of a Jinja template, or a path to a file
-    holding one: read_template) or the tokenizer's own; checked once, before any work. One
-    line when there is none or it does not compile (naming its line)."""
+    holding one: read_template) or the tokenizer's own; checked once, before any work: it
+    compiles, renders a user/assistant chat, and writes the messages' content (a file of plain
+    text does not). One line when there is none or it fails (naming its line)."""
     text = read_template(given, where)
     text = text if text is not None else getattr(tokenizer, "chat_template", None)
     if not text:
@@ -172,12 +186,17 @@ def resolve_template(tokenizer, given: str | None, where: str, owner: str = "the
                         "where the stage offers it (eval --no-chat-template)")
     check_template(text, where)
     try:  # what compiling cannot see (an unknown test, a bad operation): one render of the simplest chat
-        for n, gen in ((1, True), (2, False)):
-            render(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}][:n], gen,
-                   text)
+        rendered = [render(tokenizer, PROBE[:n], gen, text) for n, gen in ((1, True), (2, False))]
     except Exception as err:  # whatever the template raises on a plain chat (TemplateError, TypeError, ...)
         raise DataError(f"{where}: the chat template fails to render a user/assistant chat ({type(err).__name__}: "
                         f"{err}); fix it") from None
+    missing = [m["role"] for m, r in zip(PROBE, rendered) if m["content"] not in r]
+    if missing:
+        which = f"file '{given}'" if given and template_file(given) else "given" if given else f"of {owner}"
+        shown = rendered[1] if len(rendered[1]) <= 60 else rendered[1][:57] + "..."
+        raise DataError(f"{where}: the chat template {which} renders no message content (a user/assistant chat "
+                        f"renders as {shown!r}, without the {' or '.join(missing)} turn's text); give a Jinja chat "
+                        "template that writes each message's content, e.g. {{ message['content'] }}")
     return text
 
 

@@ -56,7 +56,9 @@ def _tokenize_batch(batch, tokenizer, max_length, chat_template):
 def tokenize(kept: list[dict], tokenizer, max_length: int, chat_template: str, num_proc: int):
     """The conversations ({"index", "messages"}) as the dataset a prepared folder holds (token ids,
     assistant loss mask, length, index), and those that failed: [(index, reason, detail)]."""
-    ds = Dataset.from_list(kept) if kept else Dataset.from_dict({"index": [], "messages": []})
+    if not kept:  # nothing to map (a map over no rows adds no columns): the caller says why none is left
+        return Dataset.from_dict({"index": [], "input_ids": [], "loss_mask": [], "length": []}), []
+    ds = Dataset.from_list(kept)
     ds = ds.map(_tokenize_batch, batched=True, num_proc=num_proc if len(ds) > num_proc else None,
                 fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "chat_template": chat_template},
                 remove_columns=["messages"], desc="tokenize")

@@ -52,9 +52,33 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 SCALES = {"aux_hidden_states": "aux_scales", "last_hidden_state": "last_scales"}  # float8 only
 
 
-def store_states(aux: torch.Tensor, last: torch.Tensor, store_dtype: str) -> dict[str, torch.Tensor]:
+def check_finite(aux: torch.Tensor, last: torch.Tensor, samples: list | None = None,
+                 lengths: list[int] | None = None) -> None:
+    """Refuse states holding inf/NaN, naming the first such sample: aux [B, T, L*H] and last
+    [B, T, H] (a batch; `samples` names each row, `lengths` its real tokens, the rest padding),
+    or [T, L*H] and [T, H] (one sample, `samples` its one name). Stored, they would train a draft
+    on NaN (and float8's per-row scale turns one inf into a row of NaN)."""
+    bad = ~(torch.isfinite(aux).all(-1) & torch.isfinite(last).all(-1))  # [B, T] or [T]
+    one = bad.dim() == 1
+    if one:
+        bad = bad[None]  # [1, T]
+    if lengths is not None:
+        bad &= torch.arange(bad.shape[-1], device=bad.device)[None] < torch.tensor(lengths, device=bad.device)[:, None]
+    if not bool(bad.any()):
+        return
+    r, t = (int(x) for x in bad.nonzero()[0])
+    name = f"sample {samples[r]}" if samples is not None else "a sample" if one else f"row {r} of the batch"
+    raise DataError(f"{name}: the target's hidden states hold inf/NaN (first at token {t}); a draft would train "
+                    "on NaN, so nothing is stored: check the target's weights and target_dtype (float32 does not "
+                    "overflow where float16 may), or drop that conversation from the data")
+
+
+def store_states(aux: torch.Tensor, last: torch.Tensor, store_dtype: str, samples: list | None = None,
+                 lengths: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Hidden states as a shard stores them: aux [..., L*H] and last [..., H] cast to the store
-    dtype, or for float8_e4m3 quantized per row and layer with their scales (module docstring)."""
+    dtype, or for float8_e4m3 quantized per row and layer with their scales (module docstring).
+    States holding inf/NaN are refused first (`check_finite`: `samples` and `lengths` name them)."""
+    check_finite(aux, last, samples, lengths)
     dtype = STORE_DTYPES[store_dtype]
     if dtype != torch.float8_e4m3fn:
         return {"aux_hidden_states": aux.to(dtype), "last_hidden_state": last.to(dtype)}
@@ -245,8 +269,10 @@ def verify_capture(path: str | Path) -> CaptureInfo:
     """Check a capture where it is consumed (train, inspect-capture): the manifest is complete,
     every shard is there with its size and sha256 (each file hashed once), readable, holds
     the tensors of the layers the manifest names (its own record of the stored ids agrees,
-    and the state widths are len(ids) x H and H), and draft_vocab.safetensors is there and
-    fits the target's vocabulary. One clear line on the first problem."""
+    and the state widths are len(ids) x H and H), its float8 scales (if any) are finite and
+    positive, and draft_vocab.safetensors is there and fits the target's vocabulary. One
+    clear line on the first problem. (Unquantized states are not read: that costs the whole
+    capture; training stops on a non-finite loss instead.)"""
     info = load_manifest(path)
     manifest, where = info.manifest, f"capture '{info.path}'"
     H, ids = manifest["target"]["hidden_size"], manifest["aux_layer_ids"]
@@ -264,6 +290,7 @@ def verify_capture(path: str | Path) -> CaptureInfo:
                 stored = f.get_tensor("aux_layer_ids").tolist() if "aux_layer_ids" in keys else ids
                 widths = {k: f.get_slice(k).get_shape() for k in ("aux_hidden_states", "last_hidden_state")
                           if k in keys}
+                scales = {k: f.get_tensor(k) for k in SCALES.values() if k in keys}  # float8: [N, L] and [N, 1]
         except Exception as err:  # safetensors raises its own error types on a damaged header
             raise DataError(f"{where}: shard {entry['file']} is not readable safetensors ({err}); capture again") \
                 from None
@@ -277,6 +304,12 @@ def verify_capture(path: str | Path) -> CaptureInfo:
         if widths["aux_hidden_states"][-1] != len(ids) * H or widths["last_hidden_state"][-1] != H:
             raise DataError(f"{where}: shard {entry['file']} holds states {widths['aux_hidden_states'][-1]} wide, "
                             f"but {len(ids)} layer ids x H={H} = {len(ids) * H}; the manifest does not describe it")
+        for name, scale in scales.items():  # a float8 state is q * scale: one inf or NaN scale, a row of NaN
+            bad = ~(torch.isfinite(scale) & (scale > 0))
+            if bool(bad.any()):
+                raise DataError(f"{where}: shard {entry['file']} holds {int(bad.sum())} {name} that are not finite "
+                                f"and positive (first at token {int(bad.nonzero()[0, 0])}): its states would train "
+                                "a draft on NaN; capture again (overwrite=true)")
         samples += entry["samples"]
     if samples != manifest["samples"]:
         raise DataError(f"{where}: the shards hold {samples} samples, {MANIFEST} says {manifest['samples']}; "

@@ -10,6 +10,7 @@ CPU nothing to divide but the threads.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -22,10 +23,17 @@ RUNNERS = Path(__file__).resolve().parent / "runners"
 
 
 def vllm_python() -> str | None:
-    """The Python of the vLLM environment: $DRAFTSMITH_VLLM_PYTHON, else .vllm-venv/ in the repo."""
+    """The Python of the vLLM environment: $DRAFTSMITH_VLLM_PYTHON (one line when it names no
+    program to run), else .vllm-venv/ in the repo."""
     env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
     if env:
-        return env
+        found = shutil.which(env) if os.sep not in env else None  # a bare name (python3): the one on PATH
+        path = Path(found or env).expanduser()
+        if not path.is_file() or not os.access(path, os.X_OK):
+            why = "is not executable" if path.is_file() else "is a folder" if path.is_dir() else "does not exist"
+            raise DraftsmithError(f"DRAFTSMITH_VLLM_PYTHON={env}: that path {why}; set it to the python of a vLLM "
+                                  "environment (e.g. .vllm-venv/bin/python, made by scripts/setup_vllm.sh) or unset it")
+        return str(path)
     local = Path(__file__).resolve().parents[2] / ".vllm-venv" / "bin" / "python"
     return str(local) if local.is_file() else None
 
@@ -60,8 +68,8 @@ def runner_env(vllm_cache: Path | None = None, in_process: bool = True, devices:
     cpu_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
     env = {**os.environ, "VLLM_CACHE_ROOT": str(vllm_cache or shared_vllm_cache()), "VLLM_CPU_KVCACHE_SPACE": cpu_kv,
            "TOKENIZERS_PARALLELISM": "false"}
-    if in_process:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if in_process:  # unless the user asks otherwise (the tests run the out-of-process engine of TP > 1 this way)
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.pop("PYTHONPATH", None)
     if devices is not None:
         ids = ",".join(map(str, devices))
