@@ -5,7 +5,9 @@ does not, with every shape trainer/families.py handles: q/k/v biases (Qwen2), po
 Phi, GPT-NeoX, StableLM), LongRoPE (Phi-3.5 style, with partial rotary), LayerNorm with biases
 (Starcoder2, GPT-2), other embedding/norm names (GPT-NeoX, GPT-2, Falcon, Bloom, OPT), soft-capped
 logits (Gemma-2), Cohere's logit scale, MoE (Qwen3-MoE, Mixtral, GraniteMoE), Gemma-3 (sliding
-windows, per-layer-type RoPE, scaled embedding, no chat template).
+windows, per-layer-type RoPE, scaled embedding, no chat template), MiniCPM3 and DeepSeek-V2/V3 (MLA),
+gpt-oss, Qwen3-Next (hybrid linear attention), Gemma-4 and the rest of the families vLLM 0.32 serves
+drafts for that transformers builds; Llama-4 is refused in one line.
 
   a. every family: the target's logits (its forward, and recomputed from its last state, in full
      and head-only as offline training loads it) equal transformers', and its layer states are
@@ -58,6 +60,39 @@ FAMILIES = {
     "starcoder2": ("Starcoder2Config", {"use_bias": True}, (True, True)),
     "smollm3": ("SmolLM3Config", {}, (True, True)),
     "ernie4_5": ("Ernie4_5Config", {"head_dim": 32}, (True, True)),
+    # more families vLLM 0.32 serves drafts for: logits and states (a) only; MLA, MoE, hybrid linear
+    # attention (Qwen3-Next), sliding windows (gpt-oss), Gemma-4
+    "deepseek_v2": ("DeepseekV2Config", {"q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                         "qk_rope_head_dim": 16, "v_head_dim": 32, "first_k_dense_replace": 1,
+                                         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                         "n_shared_experts": 1}, (True, True)),
+    "deepseek_v3": ("DeepseekV3Config", {"q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                         "qk_rope_head_dim": 16, "v_head_dim": 32, "first_k_dense_replace": 1,
+                                         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                         "n_group": 1, "topk_group": 1}, (True, True)),
+    "gpt_oss": ("GptOssConfig", {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "sliding_window": 8}, (True, True)),
+    "qwen3_next": ("Qwen3NextConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                       "moe_intermediate_size": 64, "linear_num_value_heads": 4,
+                                       "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+                                       "linear_value_head_dim": 32}, (True, True)),
+    "gemma4": ("Gemma4TextConfig", {"head_dim": 32}, (True, True)),
+    "minimax_m2": ("MiniMaxM2Config", {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+                   (True, True)),
+    "apertus": ("ApertusConfig", {"head_dim": 32}, (True, True)),
+    "internlm3": ("InternLM3Config", {}, (True, True)),
+    "ministral3": ("Ministral3Config", {"head_dim": 32}, (True, True)),
+    "arcee": ("ArceeConfig", {"head_dim": 32}, (True, True)),  # through vLLM's Transformers backend
+    "olmo3": ("Olmo3Config", {"head_dim": 32, "sliding_window": 8}, (True, True)),  # likewise
+    "seed_oss": ("SeedOssConfig", {"head_dim": 32}, (True, True)),  # likewise
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", {"head_dim": 32}, (True, True)),  # likewise
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"head_dim": 32, "moe_num_experts": 4, "moe_k": 2,
+                                            "moe_intermediate_size": 64}, (False, False)),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                     "shared_expert_intermediate_size": 64}, (False, False)),
+    "cohere2": ("Cohere2Config", {"head_dim": 32, "sliding_window": 8}, (False, False)),
+    "nemotron": ("NemotronConfig", {"head_dim": 32}, (False, False)),
+    "exaone4": ("Exaone4Config", {"head_dim": 32}, (False, False)),
     # served through vLLM's Transformers backend, whose proposer finds no `embed_tokens` to share
     "gpt_neox": ("GPTNeoXConfig", {"rotary_pct": 0.25, "use_parallel_residual": True}, (False, False)),
     "gpt_bigcode": ("GPTBigCodeConfig", {"n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 512},
@@ -185,6 +220,26 @@ def test_the_target_computes_what_transformers_computes(family, tmp_path):
         torch.testing.assert_close(target.head_logits(target.final_norm(out.last_hidden_state), rows),
                                    ref.logits[..., rows])
     assert ref.logits.std() > 0.1  # a target whose logits say something
+
+
+def test_a_family_draftsmith_cannot_read_is_refused_in_one_line(tmp_path):
+    """Llama-4 (vLLM serves it): transformers' causal LM holds no decoder model to find the layers
+    in, so draftsmith refuses it at load, in one line naming the family, before any work."""
+    import transformers
+
+    from trainer.errors import TargetError
+
+    tok = make_tiny_tokenizer()
+    cfg = transformers.Llama4TextConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+                                        intermediate_size_mlp=256, num_hidden_layers=4, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=32, num_local_experts=2,
+                                        attention_chunk_size=16, max_position_embeddings=512, pad_token_id=0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "llama4")
+    tok.save_pretrained(tmp_path / "llama4")
+    with pytest.raises(TargetError) as err:
+        load_target(str(tmp_path / "llama4"))
+    assert "target family 'llama4_text'" in str(err.value) and "cannot train drafts for it" in str(err.value)
+    assert len(str(err.value).splitlines()) == 1
 
 
 def test_a_family_whose_logits_draftsmith_misreads_is_refused_in_one_line(tmp_path, monkeypatch):
