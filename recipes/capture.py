@@ -48,7 +48,15 @@ from trainer.dist import process_state
 from trainer.drafts.registry import VLLM_METHOD, get
 from trainer.errors import DataError, DraftsmithError
 from trainer.io import atomic_write_json, claim_output, ensure_dir, guard_output, sha256_file, write_run_files
-from trainer.target import TargetSource, cache_root, content_hash, load_target, resolve_target, target_hf_dir
+from trainer.target import (
+    TargetSource,
+    cache_root,
+    content_hash,
+    load_target,
+    parse_dtype,
+    resolve_target,
+    target_hf_dir,
+)
 from trainer.vllm.capture import capture_in_vllm
 from trainer.vllm.servable import check_servable
 
@@ -126,8 +134,11 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
     if state.is_main_process:
         remaining = [k for k in plan.shards if not (out / MANIFEST).is_file()
                      and not (out / shard_name(k)).with_suffix(".json").is_file()]  # (verified later, hashed once)
-        check_space(out, sum(plan.lengths[i] for k in remaining for i in plan.shards[k]) * plan.bytes_per_token
-                    + vocab_bytes(target.vocab_size))
+        need = sum(plan.lengths[i] for k in remaining for i in plan.shards[k]) * plan.bytes_per_token
+        if cfg.engine == "vllm" and remaining:  # vLLM's connector stages a shard's states (every layer, in
+            staged = max(sum(plan.lengths[i] for i in plan.shards[k]) for k in remaining)  # target_dtype) first
+            need += staged * (len(plan.layer_ids) + 1) * target.hidden_size * parse_dtype(cfg.target_dtype).itemsize
+        check_space(out, need + vocab_bytes(target.vocab_size))
         _open_output(out, cfg, plan.fingerprint)
         check_finished(out)
     state.wait_for_everyone()
@@ -278,9 +289,17 @@ def disk_free(path: Path) -> int:
 def check_space(out: Path, need: float) -> None:
     free = disk_free(out)
     if need > free:
-        raise DataError(f"capture into '{out}' needs {need / 2**30:.2f} GiB, but its filesystem has "
-                        f"{free / 2**30:.2f} GiB free; free space, capture fewer samples (max_samples), store "
+        raise DataError(f"capture into '{out}' needs {human_bytes(need)}, but its filesystem has "
+                        f"{human_bytes(free)} free; free space, capture fewer samples (max_samples), store "
                         "float8_e4m3 (half of bfloat16), or choose another output_dir")
+
+
+def human_bytes(n: float) -> str:
+    """1.50 GiB, 12.3 MiB, 64.0 KiB, 512 B: never '0.00 GiB' for what is small but not nothing."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 SPEED = "capture_speed.json"  # in the cache: the last measured tokens/s per target, engine and dtype
@@ -334,7 +353,7 @@ def format_estimate(e: dict) -> str:
         f"capture estimate: {e['samples']} samples, {e['tokens']:,} tokens, aux layer ids {e['aux_layer_ids']} + the "
         f"last layer, H={e['hidden_size']}, stored {e['store_dtype']}",
         f"  bytes/token {e['bytes_per_token']:,.1f} ({e['bytes_per_token'] / 1024:.2f} KiB); on disk "
-        f"{e['bytes'] / 2**30:.3f} GiB; the output's filesystem has {e['free_bytes'] / 2**30:.2f} GiB free: "
+        f"{human_bytes(e['bytes'])}; the output's filesystem has {human_bytes(e['free_bytes'])} free: "
         + ("fits" if fits else "DOES NOT FIT (the capture would refuse to start)"),
         f"  time: {when}",
     ])

@@ -236,7 +236,7 @@ def test_estimate_before_anything_runs_and_a_capture_that_cannot_fit_is_refused(
         capture.main([*argv, f"output_dir={small / 'cap'}", "estimate=true", "store_dtype=float32"])
         assert "DOES NOT FIT" in capsys.readouterr().out
         one_line_error(capsys, capture.main, [*argv, f"output_dir={small / 'cap'}", "store_dtype=float32"],
-                       "GiB free", "needs")
+                       "KiB free", "needs")
         assert not (small / "cap").exists()
     finally:
         subprocess.run(["umount", str(small)], check=False)
