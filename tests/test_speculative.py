@@ -137,22 +137,28 @@ def _chi_square_threshold(dof, z=3.09):  # Wilson-Hilferty, upper 0.1%
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
-def _joint_first_two(t, prompt, sampling, draft, n_rows, seed):
-    out, _ = generate(t, [prompt] * n_rows, 2, draft, num_draft_tokens=2, sampling=sampling, seed=seed)
+def _joint(t, prompt, sampling, draft, n_rows, seed, length=2):
+    """Counts of the first `length` generated tokens over V**length outcomes. Token 1 comes from
+    the prefill (as vLLM takes it); with num_draft_tokens=2, tokens 2 and 3 are the first round's
+    draft positions 1 and 2 (or the resampled token where one is rejected) and token 4 its bonus
+    token (or the next round's first): length 4 checks every position of a round."""
+    out, _ = generate(t, [prompt] * n_rows, length, draft, num_draft_tokens=2, sampling=sampling, seed=seed)
     V = t.vocab_size
-    counts = torch.zeros(V * V)
+    counts = torch.zeros(V ** length)
     for row in out:
-        counts[row[0] * V + row[1]] += 1
+        counts[sum(x * V ** (length - 1 - k) for k, x in enumerate(row[:length]))] += 1
     return counts
 
 
-def _exact_joint(t, prompt, sampling):
+def _exact_joint(t, prompt, sampling, length=2):
+    """The target's own distribution of its first `length` sampled tokens, [V**length]."""
     with torch.no_grad():
-        p1 = spec.processed_probs(t.model(torch.tensor([prompt])).logits[0, -1], sampling)
-        V = p1.numel()
-        seqs = torch.tensor([prompt + [x] for x in range(V)])
-        p2 = spec.processed_probs(t.model(seqs).logits[:, -1], sampling)  # [V, V]
-    return (p1[:, None] * p2).flatten()
+        joint, prefixes = torch.ones(1), [list(prompt)]
+        for _ in range(length):
+            p = spec.processed_probs(t.model(torch.tensor(prefixes)).logits[:, -1], sampling)  # [prefixes, V]
+            joint = (joint[:, None] * p).flatten()
+            prefixes = [seq + [x] for seq in prefixes for x in range(p.shape[-1])]
+    return joint
 
 
 def test_sampled_output_has_the_targets_distribution(monkeypatch):
@@ -171,7 +177,7 @@ def test_sampled_output_has_the_targets_distribution(monkeypatch):
         e = expected[keep] * n
         return float(((counts[keep] - e) ** 2 / e).sum()), int(keep.sum()) - 1
 
-    stat, dof = chi2(_joint_first_two(t, prompt, sampling, FixedDistributionDraft(q), n, seed=3))
+    stat, dof = chi2(_joint(t, prompt, sampling, FixedDistributionDraft(q), n, seed=3))
     assert stat < _chi_square_threshold(dof), (stat, dof)
     # Power: a wrong acceptance rule (always accept) must fail the same test.
     real_verify = spec.verify
@@ -181,7 +187,35 @@ def test_sampled_output_has_the_targets_distribution(monkeypatch):
             (torch.full((x.shape[0],), x.shape[1]), torch.multinomial(p[:, -1], 1, generator=generator)[:, 0])
 
     monkeypatch.setattr(spec, "verify", always_accept)
-    stat_bad, _ = chi2(_joint_first_two(t, prompt, sampling, FixedDistributionDraft(q), n, seed=3))
+    stat_bad, _ = chi2(_joint(t, prompt, sampling, FixedDistributionDraft(q), n, seed=3))
+    assert stat_bad > _chi_square_threshold(dof), stat_bad
+
+
+def test_every_position_of_a_round_and_its_bonus_token_have_the_targets_distribution(monkeypatch):
+    """The joint of the first four sampled tokens (the prefill's, both draft positions of the
+    first round and its bonus token) is the target's, by a chi-square test over the 3**4 outcomes
+    of a 3-token vocabulary; the always-accept rule fails the same test."""
+    t = tiny_target(vocab=3)
+    sampling = Sampling(temperature=1.0)
+    prompt = [1, 2, 0]
+    q = torch.tensor([0.6, 0.3, 0.1])  # plainly not the target
+    expected = _exact_joint(t, prompt, sampling, 4)
+    n = 8000
+
+    def chi2(counts):
+        e = expected * n
+        return float(((counts - e) ** 2 / e).sum()), expected.numel() - 1
+
+    stat, dof = chi2(_joint(t, prompt, sampling, FixedDistributionDraft(q), n, seed=5, length=4))
+    assert stat < _chi_square_threshold(dof), (stat, dof)
+    real_verify = spec.verify
+
+    def always_accept(p, q_, x, greedy, generator=None):
+        return real_verify(p, q_, x, greedy=True, generator=generator) if greedy else \
+            (torch.full((x.shape[0],), x.shape[1]), torch.multinomial(p[:, -1], 1, generator=generator)[:, 0])
+
+    monkeypatch.setattr(spec, "verify", always_accept)
+    stat_bad, _ = chi2(_joint(t, prompt, sampling, FixedDistributionDraft(q), n, seed=5, length=4))
     assert stat_bad > _chi_square_threshold(dof), stat_bad
 
 
@@ -406,7 +440,8 @@ def test_draft_sampling_applies_temperature_only_as_vllms_draft_sampler(algorith
     d = _tiny_draft(t, algorithm)
     qs = {}
     for name, sampling in (("plain", Sampling(temperature=0.7)),
-                           ("truncated", Sampling(temperature=0.7, top_k=2, top_p=0.3))):
+                           ("truncated", Sampling(temperature=0.7, top_k=2, top_p=0.3)),
+                           ("t1", Sampling(temperature=1.0))):
         prop = get(algorithm).Proposer(d, draft_sampling="probabilistic", seed=1)
         session = spec.TargetSession(t, [1, 2, 3])
         pre = session.prefill([PROMPTS[0]])
@@ -422,3 +457,8 @@ def test_draft_sampling_applies_temperature_only_as_vllms_draft_sampler(algorith
     outside[target_ids] = False
     assert first[outside].sum() == 0 and torch.isclose(first[target_ids].sum(), torch.tensor(1.0))
     assert spec.processed_probs(torch.log(first), Sampling(temperature=0.7, top_k=2)).gt(0).sum() == 2  # p's rule
+    # and the temperature is applied: q at T = 0.7 is softmax(log q(T = 1) / 0.7) (a sampler that
+    # ignored T would give q(T = 1) itself; the first position's q depends on no sampled token)
+    at_one = qs["t1"].q[0, 0][target_ids]
+    torch.testing.assert_close(first[target_ids], torch.softmax(torch.log(at_one) / 0.7, -1), rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(first[target_ids], at_one, atol=1e-3)
