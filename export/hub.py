@@ -171,12 +171,14 @@ def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None 
               "Measured with draftsmith's in-tree lossless speculative decoder.", ""]
     if reports:
         k = max(r["num_draft_tokens"] for r in reports)
-        lines += ["| dataset | prompts | temperature | N | τ | " + " | ".join(f"acc@{i}" for i in range(1, k + 1))
-                  + " | speedup (in-tree, CPU) | best N |",
-                  "|" + "---|" * (6 + k + 1)]
+        lines += ["| dataset | prompts | temperature | draft sampling | N | τ | "
+                  + " | ".join(f"acc@{i}" for i in range(1, k + 1)) + " | speedup (in-tree, CPU) | best N |",
+                  "|" + "---|" * (7 + k + 1)]
         for r in reports:
             acc = r["conditional_acceptance"] + [None] * (k - len(r["conditional_acceptance"]))
-            lines.append(f"| {r['dataset']} | {r['prompts']} | {r['sampling']['temperature']} | "
+            # the draft's sampling under temperature > 0: vLLM's draft_sample_method to serve with
+            method = "-" if not r["sampling"]["temperature"] else r["sampling"].get("draft_sampling", "greedy")
+            lines.append(f"| {r['dataset']} | {r['prompts']} | {r['sampling']['temperature']} | {method} | "
                          f"{r['num_draft_tokens']} | {r['tau']:.3f} | "
                          + " | ".join("" if a is None else f"{a:.3f}" for a in acc)
                          + f" | {r['speedup']:.2f}x | {r['best_num_draft_tokens']['best_n']} |")

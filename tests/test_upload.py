@@ -61,6 +61,9 @@ def test_dry_run_prints_the_plan_and_card_offline(tiny_export, no_token, monkeyp
     assert {"speculative-decoding", "eagle3", "vllm", "rocm"} <= set(meta["tags"]) and "fp8" not in meta["tags"]
     report = json.loads((tiny_export / "eval" / "report.json").read_text())
     assert f"| {report['tau']:.3f} |" in card  # the eval table carries the measured τ
+    sampled = report["sampling"]["temperature"] > 0  # ... and how the draft sampled (vLLM's draft_sample_method)
+    method = f"| {report['sampling']['draft_sampling']} |" if sampled else "| - |"
+    assert "| draft sampling |" in card and method in card
     assert '"method": "eagle3", "model": "me/tiny-eagle3"' in card  # the serve command
     assert "eval/acceptance.png" in card and "## Provenance" in card and "## Training" in card
     assert "nothing was uploaded" in out

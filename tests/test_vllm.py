@@ -114,7 +114,9 @@ def served(pipeline, dflash, smollm2):
             "fp8": _job(pipeline, smollm2, "fp8", pipeline["fp8"], dtype="bfloat16", prompts=few,
                         max_new_tokens=FP8_NEW),
             "dflash-fp8": _job(pipeline, smollm2, "dflash-fp8", dflash["fp8"], dtype="bfloat16", prompts=few,
-                               max_new_tokens=FP8_NEW)}
+                               max_new_tokens=FP8_NEW),
+            "bf16-sampled": {**_job(pipeline, smollm2, "bf16-sampled", pipeline["bf16"], max_new_tokens=SAMPLED_NEW),
+                             "temperature": 1.0, "seed": 0, "draft_sample_method": "greedy"}}
     return dict(zip(jobs, checks.run_vllm_jobs(list(jobs.values()))))
 
 
@@ -151,6 +153,38 @@ def test_trained_bf16_draft_in_vllm(pipeline, served, smollm2):
     r2 = served["speculators"]
     assert r2["outputs"] == outputs
     assert r2["spec"]["num_accepted_tokens"] == r["spec"]["num_accepted_tokens"]
+
+
+SAMPLED_NEW = 256  # tokens per prompt at temperature 1 (answers end sooner): over 400 rounds on each side
+
+
+def test_sampled_acceptance_is_vllms_at_every_position(pipeline, served, smollm2):
+    """At temperature 1 (vLLM 0.32's default draft_sample_method, greedy, on both sides) the
+    in-tree decoder's acceptance rate at each draft position is vLLM's within 3 standard errors,
+    over >= 400 rounds on each side: the sampled τ that eval prints is what a server measures. The
+    samples differ (two random streams), so the rates agree in distribution, not count for count."""
+    import math
+
+    from recipes._common import load_proposer
+    from trainer.speculative import DecodeStats, Sampling, generate
+
+    theirs = served["bf16-sampled"]["spec"]
+    draft, _ = load_proposer(str(pipeline["bf16"]), smollm2, draft_sampling="greedy")
+    ours = DecodeStats(N)
+    for i, prompt in enumerate(pipeline["prompts"]):
+        _, s = generate(smollm2, [prompt], SAMPLED_NEW, draft, N, sampling=Sampling(temperature=1.0),
+                        eos_token_ids=smollm2.eos_token_ids, seed=i)
+        ours.merge(s)
+    assert theirs["num_drafts"] >= 400 and ours.rounds >= 400, (theirs["num_drafts"], ours.rounds)
+    for k in range(N):
+        a, n = theirs["accepted_per_position"][k], theirs["num_drafts"]
+        b, m = ours.accepted_at[k], ours.rounds
+        p, q = a / n, b / m
+        pooled = (a + b) / (n + m)
+        se = math.sqrt(pooled * (1 - pooled) * (1 / n + 1 / m))
+        print(f"position {k + 1}: vLLM {p:.3f} ({a}/{n}), in-tree {q:.3f} ({b}/{m}), 3 SE {3 * se:.3f}")
+        assert abs(p - q) <= 3 * se, (k, p, q, se)
+    assert theirs["accepted_per_position"][0] > 0.1 * theirs["num_drafts"]  # a draft that accepts: a real test
 
 
 def test_fp8_draft_in_vllm(served):
