@@ -159,7 +159,12 @@ def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None 
              f"An **{ex.TITLE}** for [{target['name']}](https://huggingface.co/{target['name']}), "
              f"for lossless speculative decoding in vLLM. Weights: {kind}.", "",
              *ex.describe(manifest),
-             "", "## Serve it", "", "```bash", serve, "```", "",
+             "", "## Serve it", "",
+             *([f"Stock vLLM gives {target['name']}'s class no aux hidden states; install draftsmith's vLLM plugin "
+                "into the vLLM environment first (`pip install trainer/vllm/plugin` from a draftsmith checkout, "
+                "with that environment's pip), as the export was checked with:", ""]
+               if "with draftsmith's vLLM plugin" in (manifest.get("servable") or {}).get("line", "") else []),
+             "```bash", serve, "```", "",
              (f"`num_speculative_tokens` {n} is the best N measured below." if best else
               f"`num_speculative_tokens` {n} is the export's default"
               + (": in the measurement below speculation did not beat plain decoding on that machine (best N 0); "

@@ -36,7 +36,7 @@ from trainer.families import serve_max_model_len
 from trainer.io import fresh_output_dir, guard_output, publish_dir, write_run_files
 from trainer.speculative import measure
 from trainer.target import load_target, resolve_target
-from trainer.vllm.servable import target_servability
+from trainer.vllm.servable import PLUGIN_INSTALL, target_servability
 
 FLAGS = {"--draft": ("draft", "the trained draft folder (recipes/train.py output_dir)"),
          "--output-dir": ("output_dir", "the export folder to write (refused if it exists, unless --overwrite)"),
@@ -176,6 +176,8 @@ def format_summary(m: dict) -> str:
                      f"bound -{g['max_tau_drop']:.0%})")
     if m.get("serve"):
         lines.append(f"  serve: {m['serve']}")
+    if m.get("servable") and "with draftsmith's vLLM plugin" in m["servable"]["line"]:
+        lines.append(f"  needs, beside the vLLM that serves it: draftsmith's vLLM plugin ({PLUGIN_INSTALL})")
     if m.get("servable") and not m["servable"]["servable"]:
         lines.append(f"  warning: {m['servable']['line']}")
     return "\n".join(lines)

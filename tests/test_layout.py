@@ -15,8 +15,9 @@ from tests.conftest import REPO
 
 PACKAGES = ("trainer", "export", "recipes")
 # Standalone scripts run by vLLM's Python (they import vllm, which draftsmith's environment does
-# not have, after parsing their arguments): outside draftsmith's import graph.
-OUTSIDE = ("trainer/vllm/runners/",)
+# not have, after parsing their arguments), and the vLLM plugin, a distribution of its own
+# installed beside vLLM: outside draftsmith's import graph.
+OUTSIDE = ("trainer/vllm/runners/", "trainer/vllm/plugin/")
 # What a package may import, besides the standard library and third-party packages: the floors.
 MAY_IMPORT = {"trainer": {"trainer"}, "export": {"trainer", "export"}, "recipes": {"trainer", "export", "recipes"}}
 # Imports allowed inside a function, and why (everything else is imported at the top).

@@ -14,6 +14,7 @@ vLLM 0.32.0's own registry by the same runner (`--all`), which names its version
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -42,7 +43,8 @@ def _installed_report(architectures: list[str]) -> dict | None:
     python = vllm_python()
     if python is None or not Path(python).exists():
         return None
-    stamp = Path(python).resolve().parent.parent / "lib"  # the install: its site-packages change on reinstall
+    # the install: its site-packages folder changes when anything (vLLM, draftsmith's plugin) is installed there
+    stamp = next(Path(python).absolute().parent.parent.glob("lib/python*/site-packages"), Path("/nonexistent"))
     asked = hashlib.sha256(RUNNER.read_bytes()).hexdigest()[:16]  # what the runner reports changes with it
     key = (f"{Path(python).resolve()}|{stamp.stat().st_mtime_ns if stamp.exists() else 0}|{asked}|"
            f"{','.join(architectures)}")
@@ -113,13 +115,38 @@ def servability(architectures: list[str], method: str, longrope: bool = False,
         return Servability(False, f"{where} cannot build a {method} draft for this target: {ok[0]} uses LongRoPE, "
                                   f"and vLLM's {method} draft reads a cos_sin_cache its LongRoPE embedding lacks "
                                   "(train an EAGLE-3 draft for it)")
+    if ok and rows[ok[0]].get("plugin") and method not in plugin_families().get(ok[0], ()):
+        return Servability(False, f"{where} cannot serve {method} drafts for this target through draftsmith's vLLM "
+                                  f"plugin: {ok[0]}'s {method} drafts are not verified there (the plugin's "
+                                  f"VERIFIED_METHODS: {', '.join(plugin_families().get(ok[0], ())) or 'none'}); "
+                                  "train one of those")
+    if ok and rows[ok[0]].get("plugin"):
+        return Servability(True, f"{where} serves {method} drafts for {ok[0]} with draftsmith's vLLM plugin (installed "
+                                 "there: it gives vLLM's own class the SupportsEagle3 interface)")
     if ok:
         return Servability(True, f"{where} serves {method} drafts for {ok[0]} (it implements SupportsEagle3)")
     arch = archs[0]
     why = "is not a model it registers" if not rows[arch].get("registered") else \
         "does not implement SupportsEagle3 (it exposes no aux hidden states to a draft)"
+    if rows[arch].get("registered") and arch in plugin_families():
+        return Servability(False, f"{where} cannot serve {method} drafts for this target: {arch} {why}; draftsmith's "
+                                  f"vLLM plugin adds it: {PLUGIN_INSTALL} (then it serves them)")
     return Servability(False, f"{where} cannot serve {method} drafts for this target: {arch} {why}; a draft "
                               "trained for it cannot be served there")
+
+
+PLUGIN = Path(__file__).resolve().parent / "plugin"  # a distribution of its own, installed beside vLLM
+PLUGIN_INSTALL = f"pip install {PLUGIN} with the vLLM environment's pip"
+
+
+def plugin_families() -> dict[str, tuple[str, ...]]:
+    """The architectures draftsmith's vLLM plugin extends and the methods verified through it for
+    each (its VERIFIED_METHODS; read from its source, which imports vllm only when it registers)."""
+    spec = importlib.util.spec_from_file_location("draftsmith_vllm_plugin", PLUGIN / "draftsmith_vllm_plugin" /
+                                                  "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.VERIFIED_METHODS)
 
 
 def target_servability(target: str | TargetSource, method: str) -> Servability:

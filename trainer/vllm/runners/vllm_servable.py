@@ -8,11 +8,12 @@ An EAGLE-3, DFlash or DSpark draft reads the target's aux hidden states, which v
 from a target class implementing `SupportsEagle3` (vllm/model_executor/models/interfaces.py;
 the model runner raises "Model does not support EAGLE3 interface" otherwise). result.json:
 {"vllm": version, "methods": the speculative methods this vLLM knows, "architectures":
-{arch: {"registered": bool, "supports_eagle3": bool, "transformers_backend": bool}}}: the last
-where vLLM runs the target through its Transformers backend (vllm/model_executor/models/
-transformers/), whose inner `model` is the HF base model itself, so that a draft shares the
-target's embedding only where HF names it `embed_tokens` or `embedding`
-(v1/spec_decode/llm_base_proposer.py, _maybe_share_embeddings).
+{arch: {"registered": bool, "supports_eagle3": bool, "transformers_backend": bool, "plugin": bool}}}:
+"plugin" where draftsmith's vLLM plugin (trainer/vllm/plugin/, installed beside vLLM) gives the
+class its SupportsEagle3; "transformers_backend" where vLLM runs the target through its
+Transformers backend (vllm/model_executor/models/transformers/), whose inner `model` is the HF
+base model itself, so that a draft shares the target's embedding only where HF names it
+`embed_tokens` or `embedding` (v1/spec_decode/llm_base_proposer.py, _maybe_share_embeddings).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main() -> None:
     from vllm.config.speculative import SpeculativeMethod
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # as every vLLM process does: draftsmith's plugin (trainer/vllm/plugin/), if installed
 
     archs = sorted(ModelRegistry.get_supported_archs()) if args.all else args.architectures
     out = {}
@@ -46,6 +50,7 @@ def main() -> None:
                 row["supports_eagle3"] = bool(cls is not None and supports_eagle3(cls))
                 row["transformers_backend"] = bool(cls is not None and
                                                    cls.__module__.startswith("vllm.model_executor.models.transformers"))
+                row["plugin"] = bool(cls is not None and cls.__module__.startswith("draftsmith_vllm_plugin"))
             except Exception as err:  # a model whose optional dependencies are absent here
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         out[arch] = row
