@@ -53,8 +53,8 @@ if vllm_python() is None:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, smollm2):
-    """prepare -> capture (ShareGPT, and the target's own answers to half the eval prompts) ->
-    train EAGLE-3 on the latter (~20 s) -> export BF16 (vllm, speculators) and FP8."""
+    """prepare -> capture of the target's own answers to half the eval prompts -> train EAGLE-3 on
+    them (~20 s) -> export BF16 (vllm, speculators) and FP8."""
     import shutil
 
     from tests.conftest import splice_prepared
@@ -62,9 +62,8 @@ def pipeline(tmp_path_factory, smollm2):
     from trainer.speculative import generate
 
     d = tmp_path_factory.mktemp("vllm")
-    prepare.run(PrepareConfig(output_dir=str(d / "prepared"), source="sharegpt", max_records=40, max_length=512))
-    capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), draft_vocab_size=8192,
-                              store_dtype="bfloat16", drafts=["eagle3", "dflash"]))
+    # the prepared folder's data is replaced by the target's own answers below: a few records do
+    prepare.run(PrepareConfig(output_dir=str(d / "prepared"), source="sharegpt", max_records=8, max_length=512))
     prompts = chat_prompt_ids(smollm2.tokenizer, load_prompts("gsm8k", 6))
     answers, _ = generate(smollm2, prompts, MAX_NEW, eos_token_ids=smollm2.eos_token_ids)
     shutil.copytree(d / "prepared", d / "echo-prepared")
@@ -114,9 +113,7 @@ def served(pipeline, dflash, smollm2):
             "fp8": _job(pipeline, smollm2, "fp8", pipeline["fp8"], dtype="bfloat16", prompts=few,
                         max_new_tokens=FP8_NEW),
             "dflash-fp8": _job(pipeline, smollm2, "dflash-fp8", dflash["fp8"], dtype="bfloat16", prompts=few,
-                               max_new_tokens=FP8_NEW),
-            "bf16-sampled": {**_job(pipeline, smollm2, "bf16-sampled", pipeline["bf16"], max_new_tokens=SAMPLED_NEW),
-                             "temperature": 1.0, "seed": 0, "draft_sample_method": "greedy"}}
+                               max_new_tokens=FP8_NEW)}
     return dict(zip(jobs, checks.run_vllm_jobs(list(jobs.values()))))
 
 
@@ -153,38 +150,6 @@ def test_trained_bf16_draft_in_vllm(pipeline, served, smollm2):
     r2 = served["speculators"]
     assert r2["outputs"] == outputs
     assert r2["spec"]["num_accepted_tokens"] == r["spec"]["num_accepted_tokens"]
-
-
-SAMPLED_NEW = 256  # tokens per prompt at temperature 1 (answers end sooner): over 400 rounds on each side
-
-
-def test_sampled_acceptance_is_vllms_at_every_position(pipeline, served, smollm2):
-    """At temperature 1 (vLLM 0.32's default draft_sample_method, greedy, on both sides) the
-    in-tree decoder's acceptance rate at each draft position is vLLM's within 3 standard errors,
-    over >= 400 rounds on each side: the sampled τ that eval prints is what a server measures. The
-    samples differ (two random streams), so the rates agree in distribution, not count for count."""
-    import math
-
-    from recipes._common import load_proposer
-    from trainer.speculative import DecodeStats, Sampling, generate
-
-    theirs = served["bf16-sampled"]["spec"]
-    draft, _ = load_proposer(str(pipeline["bf16"]), smollm2, draft_sampling="greedy")
-    ours = DecodeStats(N)
-    for i, prompt in enumerate(pipeline["prompts"]):
-        _, s = generate(smollm2, [prompt], SAMPLED_NEW, draft, N, sampling=Sampling(temperature=1.0),
-                        eos_token_ids=smollm2.eos_token_ids, seed=i)
-        ours.merge(s)
-    assert theirs["num_drafts"] >= 400 and ours.rounds >= 400, (theirs["num_drafts"], ours.rounds)
-    for k in range(N):
-        a, n = theirs["accepted_per_position"][k], theirs["num_drafts"]
-        b, m = ours.accepted_at[k], ours.rounds
-        p, q = a / n, b / m
-        pooled = (a + b) / (n + m)
-        se = math.sqrt(pooled * (1 - pooled) * (1 / n + 1 / m))
-        print(f"position {k + 1}: vLLM {p:.3f} ({a}/{n}), in-tree {q:.3f} ({b}/{m}), 3 SE {3 * se:.3f}")
-        assert abs(p - q) <= 3 * se, (k, p, q, se)
-    assert theirs["accepted_per_position"][0] > 0.1 * theirs["num_drafts"]  # a draft that accepts: a real test
 
 
 def test_fp8_draft_in_vllm(served):
@@ -264,11 +229,11 @@ def test_dflash_fp8_draft_in_vllm(dflash, served, smollm2):
 def dspark(pipeline):
     """A two-layer DSpark draft with its own head over the capture's 8,192-token vocabulary (a
     d2t that is not the identity and an LM head that is not the target's: the pieces check can
-    fail on either), trained on the same capture (it reads DFlash's layers); exported BF16
-    with `draft_topk` (vLLM's dspark_draft_topk) and FP8."""
+    fail on either), trained on the same capture as the others (it reads DFlash's layers);
+    exported BF16 with `draft_topk` (vLLM's dspark_draft_topk) and FP8."""
     d = pipeline["dir"]
     train.run(load_config(TrainConfig, REPO / "recipes/configs/smollm2-135m/dspark.yaml", [
-        f"data={d / 'capture'}", f"output_dir={d / 'dspark'}", "max_steps=40", "epochs=10",
+        f"data={d / 'echo'}", f"output_dir={d / 'dspark'}", "max_steps=40", "epochs=1000",
         "draft.draft_vocab_size=8192", "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5",
         "save_every=1000", "log_every=10"]))
     out = {}
