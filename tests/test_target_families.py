@@ -169,9 +169,9 @@ def tiny_family(family: str, directory, eos=(2,)):
     return directory
 
 
-def own_answers(target, prepared):
-    """Replace the prepared data with the target's own greedy answers to its first prompts (spliced
-    in as ids: tests/conftest.py splice_prepared): the prompts, the answers."""
+def own_answers(target, prepared, count=4, tokens=ANSWER):
+    """Replace the prepared data with the target's own greedy answers (`tokens` long) to its first
+    `count` prompts (spliced in as ids: tests/conftest.py splice_prepared): the prompts, the answers."""
     from trainer.data.prepared import load_prepared
     from trainer.speculative import generate
 
@@ -180,8 +180,8 @@ def own_answers(target, prepared):
     for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
         if ids[:mask.index(1)] not in prompts:
             prompts.append(ids[:mask.index(1)])
-    prompts = prompts[:4]
-    answers, _ = generate(target, prompts, ANSWER, eos_token_ids=target.eos_token_ids)
+    prompts = prompts[:count]
+    answers, _ = generate(target, prompts, tokens, eos_token_ids=target.eos_token_ids)
     splice_prepared(prepared, {"input_ids": [p + a for p, a in zip(prompts, answers)],
                                "loss_mask": [[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers)]})
     return prompts, answers
