@@ -67,10 +67,11 @@ def make_draft(cfg: EvalConfig, target, **overrides):
     """The proposer under test (with `overrides` on top of cfg.draft_options) and its name."""
     options = {**cfg.draft_options, **overrides}
     if cfg.draft == "ngram":
-        check_options(NGramDraft, options, "the n-gram baseline")
+        options = check_options(NGramDraft, options, "the n-gram baseline")
         if cfg.ablations:
             raise DraftsmithError(f"ablations {cfg.ablations}: the n-gram baseline declares none")
-        return NGramDraft(), "ngram (prompt lookup)"
+        draft = NGramDraft(**options)
+        return draft, f"ngram (prompt lookup, n {draft.min_n}..{draft.max_n}, as vLLM's ngram)"
     return load_proposer(cfg.draft, target, cfg.draft_sampling, cfg.seed, **options)
 
 

@@ -34,6 +34,7 @@ def test_eval_command_on_a_tiny_target(tmp_path, tiny_target_dir, capsys):
                                                     {"messages": [{"role": "user", "content": "Hello!"}]}])
     eval_recipe.main(["--target", str(tiny_target_dir), "--draft", "ngram", "--dataset", f"jsonl:{data}",
                       "--num-draft-tokens", "3", "--max-new-tokens", "12", "--batch-size", "2",
+                      "--draft-option", "prompt_lookup_min=1", "--draft-option", "prompt_lookup_max=3",
                       f"output_dir={tmp_path}/ev"])
     out = capsys.readouterr().out
     assert "τ (mean accepted length, bonus included)" in out and "best num_speculative_tokens" in out
@@ -46,7 +47,7 @@ def test_eval_command_on_a_tiny_target(tmp_path, tiny_target_dir, capsys):
 
     target = load_target(str(tiny_target_dir))
     prompts = chat_prompt_ids(target.tokenizer, load_prompts(f"jsonl:{data}", 3))
-    direct = measure(target, NGramDraft(), prompts, 12, 3, eos_token_ids=target.eos_token_ids, batch_size=2)
+    direct = measure(target, NGramDraft(1, 3), prompts, 12, 3, eos_token_ids=target.eos_token_ids, batch_size=2)
     assert r["tau"] == pytest.approx(direct.tau) and r["speculative"]["tokens"] == direct.generated
     assert r["tau"] == pytest.approx(1 + sum(r["cumulative_acceptance"]))
     # greedy speculative decoding is lossless: as many tokens as autoregressive decoding

@@ -182,7 +182,7 @@ def test_sampled_output_has_the_targets_distribution(monkeypatch):
     # Power: a wrong acceptance rule (always accept) must fail the same test.
     real_verify = spec.verify
 
-    def always_accept(p, q_, x, greedy, generator=None):
+    def always_accept(p, q_, x, greedy, generator=None, lengths=None):
         return real_verify(p, q_, x, greedy=True, generator=generator) if greedy else \
             (torch.full((x.shape[0],), x.shape[1]), torch.multinomial(p[:, -1], 1, generator=generator)[:, 0])
 
@@ -210,7 +210,7 @@ def test_every_position_of_a_round_and_its_bonus_token_have_the_targets_distribu
     assert stat < _chi_square_threshold(dof), (stat, dof)
     real_verify = spec.verify
 
-    def always_accept(p, q_, x, greedy, generator=None):
+    def always_accept(p, q_, x, greedy, generator=None, lengths=None):
         return real_verify(p, q_, x, greedy=True, generator=generator) if greedy else \
             (torch.full((x.shape[0],), x.shape[1]), torch.multinomial(p[:, -1], 1, generator=generator)[:, 0])
 

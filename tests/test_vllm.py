@@ -99,6 +99,8 @@ def _job(pipeline, smollm2, name, draft=None, dtype="float32", logprobs=0, promp
 # dynamic per-token FP8 activations are slow: they decode fewer prompts, as does the bf16 target
 # they are compared with.
 FP8_PROMPTS, FP8_NEW = 1, 24
+# vLLM's n-gram, with shorter n-grams than its default 5 so that these 64-token answers find matches
+NGRAM = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 @pytest.fixture(scope="module")
@@ -113,16 +115,18 @@ def served(pipeline, dflash, smollm2):
             "fp8": _job(pipeline, smollm2, "fp8", pipeline["fp8"], dtype="bfloat16", prompts=few,
                         max_new_tokens=FP8_NEW),
             "dflash-fp8": _job(pipeline, smollm2, "dflash-fp8", dflash["fp8"], dtype="bfloat16", prompts=few,
-                               max_new_tokens=FP8_NEW)}
+                               max_new_tokens=FP8_NEW),
+            "ngram": {**_job(pipeline, smollm2, "ngram"), "method": "ngram", **NGRAM}}
     return dict(zip(jobs, checks.run_vllm_jobs(list(jobs.values()))))
 
 
 def _in_tree(pipeline, smollm2, export_dir):
-    """The in-tree decoder on the prompts vLLM decodes, with the export vLLM serves: (outputs, stats)."""
+    """The in-tree decoder on the prompts vLLM decodes, with the export vLLM serves (or a proposer
+    given as is): (outputs, stats)."""
     from recipes._common import load_proposer
     from trainer.speculative import DecodeStats, generate
 
-    draft, _ = load_proposer(str(export_dir), smollm2)
+    draft = load_proposer(str(export_dir), smollm2)[0] if isinstance(export_dir, os.PathLike) else export_dir
     outputs, stats = [], DecodeStats(N)
     for prompt in pipeline["prompts"]:  # one at a time, as `draftsmith eval` decodes by default
         out, s = generate(smollm2, [prompt], MAX_NEW, draft, N, eos_token_ids=smollm2.eos_token_ids)
@@ -208,6 +212,26 @@ def test_trained_dflash_draft_in_vllm(pipeline, dflash, served, smollm2):
     assert r["outputs"] == outputs  # a. lossless
     _all_filled(dflash["bf16"], r, smollm2)  # d.
     _same_counts("DFlash", r["spec"], ours)
+
+
+def test_ngram_counts_as_vllms_ngram(pipeline, served, smollm2):
+    """The n-gram baseline is vLLM's `ngram` method round for round: the longest matching n-gram's
+    earliest occurrence, proposals cut where the context ends, no round without a match. Most
+    steps here have no match (measured: 71 rounds in 299 steps), so a proposer that guesses without
+    a match, or takes the latest match, counts differently."""
+    from trainer.speculative import NGramDraft
+
+    r = served["ngram"]
+    outputs, ours = _in_tree(pipeline, smollm2, NGramDraft(**NGRAM))
+    s = r["spec"]
+    print(f"n-gram τ vLLM {s['tau']:.4f} ({s['num_accepted_tokens']}/{s['num_drafts']}, {s['num_draft_tokens']} "
+          f"drafted), in-tree {ours.tau:.4f} ({ours.accepted}/{ours.rounds}, {ours.drafted} drafted, "
+          f"{ours.iterations} steps); per position vLLM {s['accepted_per_position']}, in-tree {ours.accepted_at}")
+    assert r["outputs"] == outputs
+    assert ours.counts() == {k: s[k] for k in ("num_drafts", "num_accepted_tokens", "accepted_per_position")}
+    assert ours.drafted == s["num_draft_tokens"]
+    assert ours.rounds >= 20 and min(ours.accepted_at) > 0
+    assert ours.iterations > ours.rounds  # steps without a proposal: no round, as vLLM counts
 
 
 def test_dflash_fp8_draft_in_vllm(dflash, served, smollm2):

@@ -161,6 +161,9 @@ def captures(tmp_path_factory):
     assert killed.returncode == 2 and "vLLM capture failed (exit 17)" in killed.stderr, killed.stderr[-2000:]
     sidecars = list((d / "vllm").glob("shard-*.json"))
     assert len(sidecars) == 1  # one shard complete, two to do
+    jobs = d / "vllm" / ".vllm-jobs"  # the log the error line names stays; the copies of the data do not
+    assert (jobs / "runner-0.log").is_file() and str(jobs / "runner-0.log") in killed.stderr
+    assert not list(jobs.glob("shard-*.safetensors")) and (d / "vllm" / "capture_state.json").is_file()
     shard = sidecars[0].with_suffix(".safetensors")
     with open(shard, "r+b") as f:  # its sidecar stays: only the sha256 tells
         f.seek(shard.stat().st_size // 2)
@@ -171,6 +174,21 @@ def captures(tmp_path_factory):
                              env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return d
+
+
+def test_an_engine_that_fails_to_start_is_one_line_naming_its_cause(tmp_path):
+    """Tensor parallelism over more CPU workers than this machine has NUMA nodes: vLLM's engine core
+    (out of process) fails, and the parent's last word is "Engine core initialization failed. See
+    root cause above". The one error line names the cause vLLM logged above it, and the log; no
+    prepared folder is left."""
+    r = _prepare(tmp_path / "out", "regenerate.engine=vllm", "regenerate.tensor_parallel_size=3",
+                 "max_records=2")
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "the cause it gives: AssertionError: Not enough allowed NUMA nodes" in errors[0], errors[0]
+    assert "See root cause above" not in errors[0] and ".log" in errors[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_vllm_capture_equals_the_hf_capture(captures, smollm2):

@@ -128,8 +128,11 @@ class DraftSampler:
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, greedy: bool,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept/reject one round. p: [B, N+1, V] target; q: [B, N, V] draft; x: [B, N] proposed.
+           generator: torch.Generator | None = None,
+           lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept/reject one round. p: [B, N+1, V] target; q: [B, N, V] draft; x: [B, N] proposed;
+    lengths [B]: how many of a row's N tokens were proposed (None: all; the rest is padding,
+    never accepted, and a row that had all its tokens accepted draws its bonus token after them).
 
     Returns (n_accepted [B], next_token [B]): the correction at the first rejection, or the bonus token.
     """
@@ -142,11 +145,15 @@ def verify(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, greedy: bool,
         qx = q.gather(-1, x[..., None])[..., 0]  # q(x_k)
         u = torch.rand(B, N, generator=generator, device=x.device)
         accept = u * qx < px  # u < p/q, i.e. accept with probability min(1, p/q)
+    if lengths is not None:
+        accept &= torch.arange(N, device=x.device)[None] < lengths[:, None]
     n = accept.long().cumprod(-1).sum(-1)  # [B] accepted before the first rejection
     p_next = p[rows, n]  # [B, V]: p_{n+1}
     if greedy:
         return n, p_next.argmax(-1)
     q_next = torch.cat([q, q.new_zeros(B, 1, p.shape[-1])], 1)[rows, n]  # zero past the last draft: bonus from p
+    if lengths is not None:
+        q_next = q_next * (n < lengths)[:, None]  # past a short proposal's last token: the bonus, from p
     residual = (p_next - q_next).clamp(min=0)  # max(0, p - q)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)  # p == q exactly: any is fine
     return n, torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
@@ -156,6 +163,9 @@ def verify(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, greedy: bool,
 class Proposal:
     tokens: torch.Tensor  # [B, N]
     q: torch.Tensor | None = None  # [B, N, V] the draft's processed distributions; None: deterministic (one-hot)
+    # [B] how many of each row's N tokens are proposed (None: all N). vLLM's n-gram proposes fewer, or none:
+    # a row with none decodes one token and, as in vLLM, counts no draft round
+    lengths: torch.Tensor | None = None
 
 
 class Draft(Protocol):
@@ -222,7 +232,8 @@ class DecodeStats:
 
     num_draft_tokens: int
     iterations: int = 0  # decoder loop iterations after the prefill (one target forward each)
-    rounds: int = 0  # row-rounds: iterations x active rows (vLLM's num_drafts)
+    rounds: int = 0  # row-rounds with a proposal: iterations x active rows that drafted (vLLM's num_drafts)
+    drafted: int = 0  # draft tokens proposed in those rounds (vLLM's num_draft_tokens)
     accepted: int = 0  # draft tokens accepted (vLLM's num_accepted_tokens)
     accepted_at: list[int] = field(default_factory=list)  # rounds in which position k was accepted (cumulative)
     generated: int = 0
@@ -265,8 +276,8 @@ class DecodeStats:
                 "accepted_per_position": list(self.accepted_at)}
 
     def merge(self, other: DecodeStats) -> None:
-        for f in ("iterations", "rounds", "accepted", "generated", "prefill_s", "propose_s", "commit_s", "verify_s",
-                  "total_s"):
+        for f in ("iterations", "rounds", "drafted", "accepted", "generated", "prefill_s", "propose_s", "commit_s",
+                  "verify_s", "total_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
 
@@ -333,13 +344,15 @@ def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft
             x = proposal.tokens.to(target.device)  # [B, N]
             q = proposal.q if proposal.q is not None else \
                 torch.nn.functional.one_hot(x, target.vocab_size).float()
+            lengths = proposal.lengths.to(x.device) if proposal.lengths is not None else None
         else:
             x = torch.zeros(B, 0, dtype=torch.long, device=target.device)
             q = torch.zeros(B, 0, target.vocab_size, device=target.device)
+            lengths = None
         t1 = time.perf_counter()
         out = session.verify(torch.cat([pending[:, None], x], 1))  # [B, N+1]
         p = processed_probs(out.logits, sampling)  # [B, N+1, V]
-        n, nxt = verify(p, q.to(p.device), x, sampling.greedy, gen)
+        n, nxt = verify(p, q.to(p.device), x, sampling.greedy, gen, lengths)
         keep = torch.arange(N + 1, device=x.device)[None] <= n[:, None]  # pending + accepted stay
         session.commit(keep)
         t2 = time.perf_counter()
@@ -347,7 +360,9 @@ def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft
             if done[r]:
                 continue
             k = int(n[r])
-            stats.rounds += 1
+            proposed = N if lengths is None else int(lengths[r])
+            stats.rounds += proposed > 0  # a step without a proposal is no draft round (vLLM counts none)
+            stats.drafted += proposed
             stats.accepted += k  # before any cut at max_new_tokens or an end token, as vLLM counts
             for j in range(k):
                 stats.accepted_at[j] += 1
@@ -368,18 +383,29 @@ def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft
 
 
 class NGramDraft:
-    """Prompt lookup (Saxena, 2023; vLLM's `ngram` method): find the latest earlier
-    occurrence of the context's last n tokens (n from max_n down to min_n) and propose
-    the tokens that followed it. Needs no training: the baseline every draft must beat."""
+    """Prompt lookup (Saxena, 2023), as vLLM's `ngram` method proposes
+    (vllm/v1/spec_decode/ngram_proposer.py, 0.32 and 0.33): the longest n-gram, n from
+    `prompt_lookup_max` down to `prompt_lookup_min`, that ends the context and occurs earlier in
+    it; of its occurrences the earliest; proposed: up to N tokens that followed it (fewer where
+    the context ends first), and nothing without a match (vLLM then decodes one token and counts
+    no draft). vLLM's defaults when neither is given: 5 and 5 (vllm/config/speculative.py).
+    Needs no training: the baseline every draft must beat."""
 
     aux_layer_ids: list[int] = []
     max_draft_tokens: int | None = None
     parallel = False  # a lookup per token
-    OPTIONS: tuple[str, ...] = ()
+    OPTIONS: tuple[str, ...] = ("prompt_lookup_min", "prompt_lookup_max")
     ABLATIONS: dict[str, dict] = {}
 
-    def __init__(self, min_n: int = 1, max_n: int = 4):
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(self, prompt_lookup_min: int = 5, prompt_lookup_max: int = 5):
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min={prompt_lookup_min}, prompt_lookup_max={prompt_lookup_max}: the "
+                              "n-gram baseline needs 1 <= prompt_lookup_min <= prompt_lookup_max (as vLLM)")
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+
+    def speculative_config(self) -> dict:
+        """What vLLM's --speculative-config needs to propose as this does (N added by the caller)."""
+        return {"method": "ngram", "prompt_lookup_min": self.min_n, "prompt_lookup_max": self.max_n}
 
     def begin(self, sequences, aux, mask) -> None:
         pass
@@ -388,19 +414,18 @@ class NGramDraft:
         pass
 
     def propose(self, sequences, n: int, sampling: Sampling) -> Proposal:
-        rows = []
-        for seq in sequences:
-            rows.append(self._lookup(seq, n))
-        return Proposal(torch.tensor(rows, dtype=torch.long))
+        found = [self._lookup(seq, n) for seq in sequences]
+        rows = [f + [0] * (n - len(f)) for f in found]  # padding, never accepted
+        return Proposal(torch.tensor(rows, dtype=torch.long).view(len(rows), n),
+                        lengths=torch.tensor([len(f) for f in found], dtype=torch.long))
 
     def _lookup(self, seq: list[int], n: int) -> list[int]:
         for size in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
             tail = seq[-size:]
-            for start in range(len(seq) - size - 1, -1, -1):  # latest match first
+            for start in range(len(seq) - size):  # earliest first; the suffix itself excluded
                 if seq[start:start + size] == tail:
-                    follow = seq[start + size:start + size + n]
-                    return follow + [follow[-1]] * (n - len(follow))
-        return [seq[-1]] * n  # no match: a guess that costs nothing
+                    return seq[start + size:start + size + n]
+        return []
 
 
 def measure(target, draft: Draft | None, prompts: list[list[int]], max_new_tokens: int, num_draft_tokens: int = 4,

@@ -78,7 +78,12 @@ def capture_in_vllm(target_dir: str, out: Path, shards: dict[int, range], ds, la
                 done.add(k)
                 progress(sum(len(x) for x in ds.select(shards[k])["input_ids"]))
 
-    run_runners(cmds, envs, [jobs / f"runner-{i}.log" for i in range(N)], poll=poll, what="vLLM capture")
+    try:
+        run_runners(cmds, envs, [jobs / f"runner-{i}.log" for i in range(N)], poll=poll, what="vLLM capture")
+    except BaseException:  # the complete shards and capture_state.json stay (a rerun resumes); of the jobs, the
+        for job in jobs.glob("shard-*.safetensors"):  # logs the error line names, not the copies of the data
+            job.unlink(missing_ok=True)
+        raise
     reports = [json.loads((out / f".vllm-capture-report-{i}.json").read_text()) for i in range(N)]
     for i in range(N):
         (out / f".vllm-capture-report-{i}.json").unlink()

