@@ -103,7 +103,8 @@ def run(cfg: EvalConfig, argv=None) -> dict:
                            "cumulative_acceptance": ab.cumulative_acceptance, "tokens_per_s": ab.tokens_per_s,
                            "counts": ab.counts()}
     cost = CostModel.fit(ar, sp, N, parallel=draft.parallel)
-    best = best_num_draft_tokens(sp.cumulative_acceptance, sp.conditional_acceptance, cost)
+    coverage = sp.rounds / sp.iterations if sp.iterations else 1.0  # n-gram: the steps that found a match
+    best = best_num_draft_tokens(sp.cumulative_acceptance, sp.conditional_acceptance, cost, coverage)
     report = {
         "target": target.name, "target_sha256": target.content_hash, "draft": draft_name,
         "dataset": cfg.dataset, "prompts": len(prompts), "num_draft_tokens": N,
@@ -115,7 +116,8 @@ def run(cfg: EvalConfig, argv=None) -> dict:
         "counts": sp.counts(),  # vLLM's num_drafts, num_accepted_tokens, accepted per position
         "speculative": {"tokens": sp.generated, "seconds": sp.total_s, "tokens_per_s": sp.tokens_per_s,
                         "draft_s": sp.draft_s, "propose_s": sp.propose_s, "commit_s": sp.commit_s,
-                        "verify_s": sp.verify_s, "rounds": sp.rounds},
+                        "verify_s": sp.verify_s, "rounds": sp.rounds, "steps": sp.iterations,
+                        "coverage": coverage},
         "autoregressive": {"tokens": ar.generated, "seconds": ar.total_s, "tokens_per_s": ar.tokens_per_s},
         "speedup": sp.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0,
         "cost_model": {"draft_fixed_s": cost.draft_fixed, "draft_per_token_s": cost.draft_per_token,
@@ -204,6 +206,10 @@ def format_report(r: dict) -> str:
     c = r["counts"]
     rows.insert(2, f"  rounds {c['num_drafts']}, accepted {c['num_accepted_tokens']}, per position "
                    f"{c['accepted_per_position']} (vLLM's num_drafts, num_accepted_tokens, per-position counts)")
+    coverage = r["speculative"].get("coverage", 1.0)
+    if coverage < 1:
+        rows.insert(3, f"  {coverage:.0%} of {r['speculative']['steps']} decoding steps had a proposal (the others "
+                       "found no n-gram match: one token each, no round)")
     for name, a in r.get("ablations", {}).items():
         rows += [f"  {name}: τ {a['tau']:.3f} (the draft as trained: {r['tau']:.3f}, {r['tau'] / a['tau'] - 1:+.1%})"
                  if a["tau"] else f"  {name}: no rounds",

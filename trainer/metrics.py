@@ -73,14 +73,20 @@ class CostModel:
         return draft + self.verify_one + slope * n
 
 
-def best_num_draft_tokens(cumulative: list[float], conditional: list[float], cost: CostModel) -> dict:
+def best_num_draft_tokens(cumulative: list[float], conditional: list[float], cost: CostModel,
+                          coverage: float = 1.0) -> dict:
     """Expected tokens/s for each n in 0..n_max (n = 0 is plain decoding), the best n, and
     the first position where acceptance collapses (conditional acceptance below half of
-    position 1's, or below 0.1)."""
+    position 1's, or below 0.1). coverage: the share of decoding steps with a proposal (a
+    neural draft: 1; vLLM's n-gram: the steps whose context has a match; a step without one
+    decodes one token at plain decoding's cost)."""
     curve = []
     for n in range(len(cumulative) + 1):
-        tokens = expected_accepted_length(cumulative, n)
-        curve.append({"n": n, "expected_tau": tokens, "tokens_per_s": tokens / cost.round_seconds(n)})
+        tau = expected_accepted_length(cumulative, n)
+        per_step = 1.0 + coverage * (tau - 1.0) if n else 1.0
+        seconds = coverage * cost.round_seconds(n) + (1.0 - coverage) * cost.round_seconds(0) if n else \
+            cost.round_seconds(0)
+        curve.append({"n": n, "expected_tau": tau, "tokens_per_step": per_step, "tokens_per_s": per_step / seconds})
     best = max(curve, key=lambda c: c["tokens_per_s"])
     collapse = next((k + 1 for k, a in enumerate(conditional)
                      if a < 0.1 or (k > 0 and a < 0.5 * conditional[0])), None)

@@ -345,6 +345,9 @@ def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft
             q = proposal.q if proposal.q is not None else \
                 torch.nn.functional.one_hot(x, target.vocab_size).float()
             lengths = proposal.lengths.to(x.device) if proposal.lengths is not None else None
+            if lengths is not None:  # verify only as wide as the longest proposal (none: a plain decoding step)
+                width = int(lengths.max())
+                x, q = x[:, :width], q[:, :width]
         else:
             x = torch.zeros(B, 0, dtype=torch.long, device=target.device)
             q = torch.zeros(B, 0, target.vocab_size, device=target.device)
@@ -353,7 +356,7 @@ def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft
         out = session.verify(torch.cat([pending[:, None], x], 1))  # [B, N+1]
         p = processed_probs(out.logits, sampling)  # [B, N+1, V]
         n, nxt = verify(p, q.to(p.device), x, sampling.greedy, gen, lengths)
-        keep = torch.arange(N + 1, device=x.device)[None] <= n[:, None]  # pending + accepted stay
+        keep = torch.arange(x.shape[1] + 1, device=x.device)[None] <= n[:, None]  # pending + accepted stay
         session.commit(keep)
         t2 = time.perf_counter()
         for r in range(B):
