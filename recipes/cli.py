@@ -3,6 +3,7 @@
     draftsmith prepare --config recipes/configs/smollm2-135m/prepare.yaml [key=value ...]
     draftsmith capture --config recipes/configs/smollm2-135m/capture.yaml [key=value ...]
     draftsmith eval    --draft ngram --dataset gsm8k --num-draft-tokens 4 [--temperature T] [key=value ...]
+    draftsmith compare --drafts runs/demo/export-bf16 runs/demo/export-fp8 --concurrency 1,4,16 [--check-vllm]
     draftsmith export  --draft runs/demo/eagle3 --output-dir runs/demo/export-fp8 [--quantize fp8] [--overwrite]
     draftsmith upload  runs/demo/export-fp8 --repo me/name --dry-run   (then without --dry-run)
     draftsmith demo    [key=value ...]
@@ -24,6 +25,8 @@ COMMANDS = {
     "capture": ("capture multi-layer hidden states of the frozen target", "recipes.capture", "main"),
     "eval": ("measure a draft with the in-tree speculative decoder (τ, acceptance, speedup, best N)",
              "recipes.eval", "main"),
+    "compare": ("which draft, N and precision to serve at each concurrency: exports, vLLM's n-gram and no "
+                "speculation measured on your prompts", "recipes.compare", "main"),
     "export": ("write a trained draft as a vLLM draft folder, BF16 or FP8 (AMD Quark), FP8 gated on τ",
                "recipes.export_draft", "main"),
     "upload": ("publish an export to the Hugging Face Hub with a model card of its measured numbers",

@@ -21,7 +21,7 @@ from trainer.config import TrainConfig, load_config
 
 pytestmark = pytest.mark.slow
 CONFIGS = REPO / "recipes" / "configs" / "gemma-3-270m"
-N, PROMPTS, ANSWER = 3, 3, 32  # draft tokens per round; the target's own answers trained on and decoded
+N, PROMPTS, ANSWER = 3, 3, 24  # draft tokens per round; the target's own answers trained on and decoded
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +107,11 @@ def test_exports_carry_a_flat_rope_and_the_drafts_embed_as_vllm(run, gemma):
 def test_eval_uses_the_datas_template_and_takes_plain_prompts(run, gemma, tmp_path):
     d, *_ = run
     r = eval_recipe.run(eval_recipe.EvalConfig(draft=str(d / "eagle3-bf16"), dataset="mtbench", num_prompts=1,
-                                               max_new_tokens=12, output_dir=str(tmp_path / "chat")))
+                                               max_new_tokens=8, output_dir=str(tmp_path / "chat")))
     assert r["target"] == "google/gemma-3-270m" and r["num_draft_tokens"] == 3
     assert r["speculative"]["tokens"] == r["autoregressive"]["tokens"]  # lossless on Gemma's sliding windows
     plain = eval_recipe.run(eval_recipe.EvalConfig(draft=str(d / "dflash"), dataset="gsm8k", num_prompts=2,
-                                                   max_new_tokens=12, no_chat_template=True, batch_size=2,
+                                                   max_new_tokens=8, no_chat_template=True, batch_size=2,
                                                    output_dir=str(tmp_path / "plain")))
     assert plain["num_draft_tokens"] == N and plain["speculative"]["tokens"] == plain["autoregressive"]["tokens"]
     # a target without a template, a draft that records none: one line, no traceback

@@ -127,7 +127,7 @@ def test_no_recipe_file_shadows_a_package():
     assert not sorted(set(runner_stems) & (taken | {"vllm"})), runner_stems  # run by path in vLLM's env too
 
 
-RECIPES = ["prepare", "capture", "train", "eval", "export_draft", "upload", "demo"]
+RECIPES = ["prepare", "capture", "train", "eval", "compare", "export_draft", "upload", "demo"]
 
 
 def test_every_recipe_runs_by_path_from_anywhere(tmp_path):

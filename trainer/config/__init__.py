@@ -5,6 +5,7 @@ default lives in its schema, once.
 """
 
 from trainer.config.capture import CaptureConfig
+from trainer.config.compare import CompareConfig
 from trainer.config.demo import DemoConfig
 from trainer.config.eval import NGRAM_DRAFT_TOKENS, EvalConfig
 from trainer.config.export import ExportConfig
@@ -15,7 +16,8 @@ from trainer.drafts.registry import DRAFTS
 
 # YAML file stem -> schema (recipes/configs/*/<stem>.yaml); a draft's training config is named after it.
 SCHEMAS = {"export": ExportConfig, "prepare": PrepareConfig, "eval": EvalConfig, "capture": CaptureConfig,
-           "demo": DemoConfig, **{name: TrainConfig for name in DRAFTS}}
+           "demo": DemoConfig, "compare": CompareConfig, **{name: TrainConfig for name in DRAFTS}}
 
-__all__ = ["SCHEMAS", "CaptureConfig", "ConfigError", "DemoConfig", "EvalConfig", "ExportConfig", "NGRAM_DRAFT_TOKENS",
-           "PrepareConfig", "RegenerateConfig", "TrainConfig", "load_config", "load_section", "to_yaml"]
+__all__ = ["SCHEMAS", "CaptureConfig", "CompareConfig", "ConfigError", "DemoConfig", "EvalConfig", "ExportConfig",
+           "NGRAM_DRAFT_TOKENS", "PrepareConfig", "RegenerateConfig", "TrainConfig", "load_config", "load_section",
+           "to_yaml"]

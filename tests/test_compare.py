@@ -1,0 +1,111 @@
+"""`draftsmith compare` on the tiny target (in-process, seconds): an EAGLE-3 draft trained on the
+target's own answers to the prompts compared, an untrained one, vLLM's n-gram and no speculation;
+what is recommended, what it is measured from, and what is refused."""
+
+import json
+import shutil
+
+import pytest
+
+from recipes import compare, train
+from recipes import export_draft as export_recipe
+from tests.conftest import GOOD_CHATS, REPO, splice_prepared, write_jsonl
+from trainer.config import TrainConfig, load_config
+
+TINY = REPO / "recipes" / "configs" / "tiny" / "eagle3.yaml"
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, tiny_target_dir, tiny_target):
+    """Two exports for the tiny target: one trained on its own greedy answers to the prompts
+    compared (accepts at every position), one trained a single step (accepts next to nothing)."""
+    from recipes import capture, prepare
+    from trainer.config import CaptureConfig, PrepareConfig
+    from trainer.data.evalsets import load_prompts
+    from trainer.speculative import generate
+
+    d = tmp_path_factory.mktemp("compare")
+    prompts_file = write_jsonl(d / "prompts.jsonl", GOOD_CHATS)
+    prepare.run(PrepareConfig(output_dir=str(d / "prepared"), target=str(tiny_target_dir),
+                              source=str(prompts_file), max_length=256))
+    tok = tiny_target.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                       tokenize=True)["input_ids"] for p in load_prompts(f"jsonl:{prompts_file}", 4)]
+    answers, _ = generate(tiny_target, prompts, 32, None)
+    splice_prepared(d / "prepared", {"input_ids": [p + a for p, a in zip(prompts, answers)],
+                                     "loss_mask": [[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers)]})
+    capture.run(CaptureConfig(data=str(d / "prepared"), output_dir=str(d / "capture"), target=str(tiny_target_dir),
+                              samples_per_shard=8, draft_vocab_size=320, store_dtype="float32"))
+    out = {"prompts": f"jsonl:{prompts_file}"}
+    for name, steps in (("trained", 150), ("untrained", 1)):
+        train.run(load_config(TrainConfig, TINY, [f"data={d / 'capture'}", f"target={tiny_target_dir}",
+                                                  f"output_dir={d / name}", f"max_steps={steps}", "epochs=200",
+                                                  "batch_size=1", "log_every=50", "save_every=1000"]))
+        export_recipe.main(["--draft", str(d / name), "--output-dir", str(d / f"{name}-export"), "--dtype",
+                            "float32"])
+        out[name] = d / f"{name}-export"
+    return out
+
+
+def _compare(exports, tmp_path, *drafts, extra=()):
+    compare.main(["--drafts", *map(str, drafts), "--dataset", exports["prompts"], "--num-prompts", "4",
+                  "--max-new-tokens", "24", "--concurrency", "1,4", "--output-dir", str(tmp_path / "cmp"),
+                  "prompt_lookup_min=2", "prompt_lookup_max=3", *extra])
+    return json.loads((tmp_path / "cmp" / "report.json").read_text())
+
+
+def test_compare_measures_every_n_and_never_recommends_a_draft_that_accepts_nothing(exports, tmp_path, capsys):
+    r = _compare(exports, tmp_path, exports["trained"], exports["untrained"])
+    out = capsys.readouterr().out
+    names = [c["name"] for c in r["candidates"]]
+    assert len(names) == 3 and names[2].startswith("ngram")
+    trained, untrained, ngram = r["candidates"]
+    for c in (trained, untrained):  # every N up to the positions it was trained on, each measured
+        assert [int(n) for n in c["by_n"]] == list(range(1, 4))
+        for n, m in c["by_n"].items():
+            assert len(m["acceptance"]["accepted_per_position"]) == int(n) and m["acceptance"]["share"] == 1
+    assert [int(n) for n in ngram["by_n"]] == [1, 2, 3, 4]
+    # the draft trained on these answers accepts at every position; the untrained one next to nothing
+    assert min(trained["by_n"]["3"]["acceptance"]["accepted_per_position"]) > 0
+    assert trained["by_n"]["3"]["acceptance"]["tau"] > 2 > untrained["by_n"]["3"]["acceptance"]["tau"]
+    # the prediction for the untrained draft never beats serving without speculation
+    plain = {p["concurrency"]: p["tokens_per_s"] for p in r["predictions"] if p["candidate"] == "no speculation"}
+    for p in r["predictions"]:
+        if p["candidate"] == untrained["name"]:
+            assert p["tokens_per_s"] < plain[p["concurrency"]] * 1.001, p
+    for b, rec in r["recommendations"].items():
+        assert rec["best"]["candidate"] != untrained["name"]
+        served = json.loads((tmp_path / "cmp" / f"serve-c{b}.json").read_text())
+        assert served["speculative_config"] == rec["best"]["config"]
+        if rec["best"]["config"]:  # what vLLM's --speculative-config takes
+            assert served["speculative_config"]["num_speculative_tokens"] == rec["best"]["n"]
+            assert served["speculative_config"]["method"] in ("eagle3", "ngram")
+    assert "concurrency 1: serve" in out and (tmp_path / "cmp" / "compare.png").stat().st_size > 1000
+
+
+def test_compare_counts_as_eval_counts(exports, tmp_path):
+    """The acceptance compare measures at an N is what `draftsmith eval` measures at that N."""
+    from recipes import eval as eval_recipe
+
+    r = _compare(exports, tmp_path, exports["trained"], extra=["ngram=false"])
+    e = eval_recipe.run(eval_recipe.EvalConfig(draft=str(exports["trained"]), dataset=exports["prompts"],
+                                               num_prompts=4, max_new_tokens=24, num_draft_tokens=2,
+                                               output_dir=str(tmp_path / "eval")))
+    ours = r["candidates"][0]["by_n"]["2"]["acceptance"]
+    assert {k: ours[k] for k in ("num_drafts", "num_accepted_tokens", "accepted_per_position")} == e["counts"]
+
+
+def test_a_draft_for_another_target_is_refused_in_one_line(exports, tmp_path, capsys):
+    from tests.test_bad_input import one_line_error
+
+    other = tmp_path / "other-export"
+    shutil.copytree(exports["trained"], other)
+    manifest = json.loads((other / "draftsmith_export.json").read_text())
+    manifest["target"] = {**manifest["target"], "name": "someone/else", "sha256": "0" * 64}
+    (other / "draftsmith_export.json").write_text(json.dumps(manifest))
+    one_line_error(capsys, compare.main, ["--drafts", str(exports["trained"]), str(other), "--dataset",
+                                          exports["prompts"], "--output-dir", str(tmp_path / "cmp")],
+                   "someone/else", "not")
+    assert not (tmp_path / "cmp").exists()
+    one_line_error(capsys, compare.main, ["--drafts", str(tmp_path), "--output-dir", str(tmp_path / "cmp2")],
+                   "is not an export")

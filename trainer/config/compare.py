@@ -1,0 +1,40 @@
+"""The `compare` stage's schema (recipes/compare.py): which draft, N and precision to serve at each load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.errors import ConfigError
+
+
+@dataclass
+class CompareConfig:
+    """`draftsmith compare`: every export given, vLLM's n-gram and no speculation, measured on the
+    same prompts on this machine; for each concurrency the best and its --speculative-config."""
+
+    drafts: list[str] = field(default_factory=list)  # export folders (draftsmith export), all for one target
+    dataset: str = "gsm8k"  # gsm8k | math500 | humaneval | mtbench | sharegpt | jsonl:PATH
+    chat_template: str | None = None  # null: the one the first draft's data was prepared with, else the target's
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # requests in flight
+    # vLLM's n-gram as a candidate (its default 5-grams unless given), N up to the drafts' largest
+    ngram: bool = True
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    cost_steps: int = 8  # decoding steps timed per draft, N and concurrency for the draft's cost per round
+    # serve the recommended configuration and the runner-up at each concurrency in vLLM and print
+    # their measured tokens/s beside the prediction (needs a vLLM environment: scripts/setup_vllm.sh)
+    check_vllm: bool = False
+    output_dir: str = "runs/compare"
+    overwrite: bool = True  # a comparison is a measurement: re-running replaces it
+
+    def validate(self) -> None:
+        if not self.drafts and not self.ngram:
+            raise ConfigError("nothing to compare: give --drafts EXPORT [EXPORT ...] (or keep ngram=true)")
+        if self.num_prompts < 1 or self.max_new_tokens < 1 or self.cost_steps < 1:
+            raise ConfigError("num_prompts, max_new_tokens and cost_steps must be >= 1")
+        if not self.concurrency or any(not isinstance(c, int) or c < 1 for c in self.concurrency):
+            raise ConfigError(f"concurrency {self.concurrency}: give one or more integers >= 1, e.g. 1,4,16")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("the n-gram needs 1 <= prompt_lookup_min <= prompt_lookup_max (as vLLM)")
