@@ -27,6 +27,7 @@ without speculation).
 from __future__ import annotations
 
 import json
+import platform
 import statistics
 import sys
 import time
@@ -43,6 +44,7 @@ from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, ensure_dir, guard_output, write_run_files
 from trainer.speculative import DecodeStats, NGramDraft, TargetSession, generate
 from trainer.target import load_target, resolve_target
+from trainer.vllm import checks
 
 FLAGS = {"--dataset": ("dataset", "gsm8k, math500, humaneval, mtbench, sharegpt or jsonl:PATH"),
          "--num-prompts": ("num_prompts", "prompts decoded per candidate and N"),
@@ -222,8 +224,6 @@ def recommend(predictions, candidates, concurrency) -> dict:
 def check_in_vllm(target, candidates, recommendations, prompts, cfg, out: Path) -> list[dict]:
     """The best and the runner-up at each concurrency served in vLLM (greedy, fp32, at most b
     requests in flight) on the same prompts: measured output tokens/s beside the prediction."""
-    from trainer.vllm import checks
-
     jobs, which = [], []
     work = out.parent / f".{out.name}.vllm"
     work.mkdir(parents=True, exist_ok=True)
@@ -253,8 +253,6 @@ def check_in_vllm(target, candidates, recommendations, prompts, cfg, out: Path) 
 
 
 def machine() -> dict:
-    import platform
-
     return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
