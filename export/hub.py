@@ -131,7 +131,61 @@ def _reports(root: Path) -> list[dict]:
     return out
 
 
-def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None = None) -> str:
+COMPARE_PLOT = "compare/compare.png"  # where the comparison's plot goes in the repo
+
+
+def compared(manifest: dict, compare_dir: str | Path) -> tuple[dict, dict]:
+    """The `draftsmith compare` report at compare_dir and this export's candidate in it (matched
+    by its weights' sha256, so a report of another export, or of these weights before a re-export,
+    is refused in one line)."""
+    path = Path(compare_dir).expanduser() / "report.json"
+    try:
+        report = json.loads(path.read_text())
+        candidates = report["candidates"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise DraftsmithError(f"--compare {compare_dir}: no `draftsmith compare` report there ({path}); run "
+                              "`draftsmith compare --drafts EXPORT --output-dir DIR` and pass that DIR") from None
+    sha = manifest["files"][formats.WEIGHTS]["sha256"]
+    mine = next((c for c in candidates if c.get("weights_sha256") == sha), None)
+    if mine is None:
+        names = ", ".join(c["name"] for c in candidates if c.get("export")) or "no export"
+        raise DraftsmithError(f"--compare {compare_dir}: that comparison did not measure these weights (sha256 "
+                              f"{sha[:16]}; it measured {names}); run `draftsmith compare` with this export")
+    return report, mine
+
+
+def compare_lines(report: dict, mine: dict, plot: bool) -> list[str]:
+    """The card's section from a comparison: per concurrency, plain decoding, this draft at its best
+    N and the best of everything compared, as served (or, with --no-vllm, predicted)."""
+    served = all("measured_tokens_per_s" in p for p in report["predictions"])
+    key = "measured_tokens_per_s" if served else "tokens_per_s"
+    m = report["machine"]
+    where = m.get("cuda") or f"{m['cpu']} CPU, {m['threads']} threads"
+    how = (f"served in vLLM {report.get('vllm_version')}" if served else
+           "predicted from in-tree costs (`--no-vllm`: not served)")
+    lines = ["## Served speed", "",
+             f"Output tokens/s {how} on {where}, measured by `draftsmith compare`: {report['dataset']}, "
+             f"{report['prompts']} prompts, {report['max_new_tokens']} tokens each, greedy, at each concurrency "
+             "a client keeping that many requests in flight.", "",
+             "| concurrency | without speculation | this draft (best N) | speedup | best of those compared |",
+             "|---|---|---|---|---|"]
+    for b in report["concurrency"]:
+        rows = [p for p in report["predictions"] if p["concurrency"] == b]
+        plain = next(p[key] for p in rows if p["n"] == 0)
+        best_mine = max((p for p in rows if p["candidate"] == mine["name"]), key=lambda p: p[key])
+        best = max(rows, key=lambda p: p[key])
+        who = "this draft" if best["candidate"] == mine["name"] else best["candidate"]
+        lines.append(f"| {b} | {plain:.1f} | N={best_mine['n']}: {best_mine[key]:.1f} | "
+                     f"{best_mine[key] / plain:.2f}x | {who}" + (f", N={best['n']}" if best["n"] else "")
+                     + f": {best[key]:.1f} |")
+    lines.append("")
+    if plot:
+        lines += [f"![output tokens/s against concurrency]({COMPARE_PLOT})", ""]
+    return lines
+
+
+def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None = None,
+               comparison: tuple[dict, dict, bool] | None = None) -> str:
     target = dict(manifest["target"])
     target["name"] = base_model or target["name"]
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", target["name"]):
@@ -191,6 +245,8 @@ def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None 
         for r in reports:
             if (root / r["_dir"] / "acceptance.png").is_file():
                 lines += [f"![per-position acceptance on {r['dataset']}]({r['_dir']}/acceptance.png)", ""]
+    if comparison:
+        lines += compare_lines(*comparison)
     if quant and manifest.get("gate"):
         g, s = manifest["gate"], manifest.get("size", {})
         lines += ["### FP8 vs BF16", "",
@@ -239,11 +295,19 @@ def validate_card(content: str, base_model: str) -> None:
 
 
 def plan_upload(export_dir: str | Path, repo_id: str, base_model: str | None = None,
-                allow_extra: bool = False) -> UploadPlan:
+                allow_extra: bool = False, compare_dir: str | Path | None = None) -> UploadPlan:
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
         raise DraftsmithError(f"--repo '{repo_id}' is not owner/name")
     manifest, files = check_export(export_dir, allow_extra)
-    return UploadPlan(Path(export_dir), files, build_card(Path(export_dir), manifest, repo_id, base_model), manifest)
+    comparison = None
+    if compare_dir:
+        report, mine = compared(manifest, compare_dir)
+        png = Path(compare_dir).expanduser() / "compare.png"
+        if png.is_file():
+            files.append(PlannedFile(COMPARE_PLOT, png, png.stat().st_size, sha256_file(png)))
+        comparison = (report, mine, png.is_file())
+    card = build_card(Path(export_dir), manifest, repo_id, base_model, comparison)
+    return UploadPlan(Path(export_dir), files, card, manifest)
 
 
 def upload(plan: UploadPlan, repo_id: str, private: bool = False, exist_ok: bool = False,

@@ -1,27 +1,31 @@
 """Which draft to serve, at which N, at which load: every export given, vLLM's n-gram and no
 speculation, measured on the user's prompts on this machine; for each concurrency the
-configuration with the most expected output tokens/s, and the --speculative-config that serves it.
+configuration that serves the most output tokens/s, and the --speculative-config that serves it.
 
     draftsmith compare --drafts runs/demo/export-bf16 runs/demo/export-fp8 --dataset gsm8k --concurrency 1,4,16
-    draftsmith compare --drafts runs/demo/export-bf16 --check-vllm      (serve the best two at each load in vLLM)
+    draftsmith compare --drafts runs/demo/export-bf16 --no-vllm     (no vLLM here: in-tree costs, a prediction)
 
-What is measured, and how the prediction is made from it:
+What is measured, and how:
 - acceptance: each candidate decoded by the in-tree decoder (which counts what vLLM counts:
   tests/test_vllm.py) on the prompts, one at a time, greedy, at every N from 1 to the positions
   it was trained on, each N measured (a block draft's proposals change with N); the n-gram up to
   the largest N of the drafts'. Per candidate and N: τ, the share of decoding steps with a
-  proposal (below 1 only for the n-gram, which proposes nothing without a match), and so the
-  tokens per decoding step, 1 + share x (τ - 1).
-- costs, on this machine, in-tree (vLLM's own step times are not measured yet): the target's
-  forward over b rows of width w (w = 1: plain decoding; N + 1: a verify) after a context of the
-  prompts' mean length plus half an answer, and each candidate's draft time per round (propose
-  and commit) over b rows at each N, from a short batched decode.
-- expected tokens/s (Leviathan et al., 2023, §3.4, the costs measured, not assumed):
-  b x tokens per step / (share x (V(b, N+1) + D(b, N)) + (1 - share) x V(b, 1)); no speculation:
-  b / V(b, 1). For each concurrency the best (candidate, N) and the runner-up.
+  proposal (below 1 only for the n-gram, which proposes nothing without a match), the tokens per
+  decoding step, 1 + share x (τ - 1), and each prompt's steps.
+- served in vLLM (the default): every candidate and no speculation served on the same prompts at
+  every N and concurrency b by a client keeping b requests in flight, one engine per candidate
+  (N changed through vLLM's dynamic speculative decoding), every engine step timed. The served
+  tokens/s decide the recommendation; vLLM's counts and outputs are checked against the in-tree
+  decoder's at every N. The prediction printed beside (its error says whether acceptance and
+  step cost explain served speed): the in-tree steps of each prompt replayed through vLLM's
+  measured step times at k requests in flight and its cost per prompt token (`simulate`).
+- --no-vllm: costs timed in-tree (the target's forward over b rows of width N + 1, each draft's
+  round), expected tokens/s (Leviathan et al., 2023, §3.4) b x tokens per step / (share x (V(b, N+1)
+  + D(b, N)) + (1 - share) x V(b, 1)); a prediction only, and a rough one (README).
 Writes OUTPUT_DIR/report.json, compare.png (tokens/s against concurrency, one line per candidate
-at its best N) and serve-c{b}.json (the --speculative-config for each concurrency, or null: serve
-without speculation).
+at its best N), serve-c{b}.json (the --speculative-config for each concurrency, or null: serve
+without speculation) and serve-dynamic.json (per draft, its best N at each load as vLLM's
+batch-size schedule, `num_speculative_tokens_per_batch_size`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 import torch
 from matplotlib.figure import Figure
 
+from export import formats
 from recipes._common import load_proposer, one_line_errors, parse_flags, prompt_ids, target_for
 from trainer.config import CompareConfig, to_yaml
 from trainer.data.chat import read_template, template_file
@@ -45,6 +50,7 @@ from trainer.io import atomic_write_json, ensure_dir, guard_output, write_run_fi
 from trainer.speculative import DecodeStats, NGramDraft, TargetSession, generate
 from trainer.target import load_target, resolve_target
 from trainer.vllm import checks
+from trainer.vllm.env import require_vllm_python
 
 FLAGS = {"--dataset": ("dataset", "gsm8k, math500, humaneval, mtbench, sharegpt or jsonl:PATH"),
          "--num-prompts": ("num_prompts", "prompts decoded per candidate and N"),
@@ -53,8 +59,7 @@ FLAGS = {"--dataset": ("dataset", "gsm8k, math500, humaneval, mtbench, sharegpt 
          "--output-dir": ("output_dir", "where report.json, compare.png and serve-c*.json go"),
          "--chat-template": ("chat_template", "a Jinja chat template file for the prompts (default: the one the "
                                               "first draft's data was prepared with, else the target's)")}
-SWITCHES = {"--check-vllm": ("check_vllm=true", "serve the best and the runner-up at each concurrency in vLLM and "
-                                                "print their measured tokens/s beside the prediction"),
+SWITCHES = {"--no-vllm": ("vllm=false", "no vLLM here: predict from in-tree costs alone (nothing served)"),
             "--no-ngram": ("ngram=false", "leave vLLM's n-gram out of the candidates")}
 REPEATED = {"--drafts": ("drafts", "EXPORT", "export folders (draftsmith export), all for one target: "
                                              "--drafts A B or --drafts A --drafts B")}
@@ -69,6 +74,8 @@ def run(cfg: CompareConfig, argv=None) -> dict:
         if not (Path(d) / "draftsmith_export.json").is_file():
             raise DraftsmithError(f"--drafts '{d}' is not an export (no draftsmith_export.json): compare measures "
                                   "what vLLM serves; export a trained draft first (draftsmith export)")
+    if cfg.vllm:
+        require_vllm_python("compare (it serves every candidate in vLLM; --no-vllm predicts from in-tree costs alone)")
     guard_output(cfg.output_dir, [*cfg.drafts, dataset_file(cfg.dataset), template_file(cfg.chat_template),
                                   source.path], "compare", overwrite=cfg.overwrite)
     out = Path(cfg.output_dir)
@@ -77,34 +84,31 @@ def run(cfg: CompareConfig, argv=None) -> dict:
     candidates = make_candidates(cfg, target)
     prompts = prompt_ids(target, load_prompts(cfg.dataset, cfg.num_prompts), cfg.drafts[0] if cfg.drafts else
                          "ngram", cfg.chat_template, False, "compare --chat-template")
-    context = context_for(prompts, cfg.max_new_tokens)
-    widths = sorted({1} | {n + 1 for c in candidates for n in c["ns"]})
     print(f"compare: {len(candidates)} candidates on {len(prompts)} prompts of {cfg.dataset}, concurrency "
           f"{cfg.concurrency}", file=sys.stderr)
-    verify_s = {b: wider_costs_more({w: target_step_seconds(target, context, b, w) for w in widths})
-                for b in cfg.concurrency}
     for c in candidates:
         c["by_n"] = {}
         for n in c["ns"]:
-            print(f"compare: {c['name']} at N={n}", file=sys.stderr)
-            c["by_n"][n] = {"acceptance": acceptance(target, c["proposer"], prompts, cfg.max_new_tokens, n),
-                            "draft_s": {b: draft_round_seconds(target, c["proposer"], prompts, n, b, cfg.cost_steps)
-                                        for b in cfg.concurrency}}
-    predictions = predict(candidates, verify_s, cfg.concurrency)
-    recommendations = recommend(predictions, candidates, cfg.concurrency)
+            print(f"compare: {c['name']} at N={n}, in-tree", file=sys.stderr)
+            c["by_n"][n] = {"acceptance": acceptance(target, c["proposer"], prompts, cfg.max_new_tokens, n)}
     report = {"target": target.name, "target_sha256": target.content_hash, "dataset": cfg.dataset,
               "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "concurrency": cfg.concurrency,
-              "costs_measured_in": "the in-tree decoder on this machine (vLLM's step times are not measured yet)",
-              "machine": machine(), "verify_s": verify_s,
-              "candidates": [{k: v for k, v in c.items() if k != "proposer"} for c in candidates],
-              "predictions": predictions, "recommendations": recommendations}
-    if cfg.check_vllm:
-        report["vllm_check"] = check_in_vllm(target, candidates, recommendations, prompts, cfg, out)
+              "machine": machine()}
+    if cfg.vllm:
+        report.update(costs_measured_in="vLLM (every candidate served at every N and concurrency)",
+                      **served_in_vllm(target, candidates, prompts, cfg, out))
+    else:
+        report.update(costs_measured_in="the in-tree decoder (--no-vllm: nothing served; vLLM's own step times "
+                                        "differ, see the README)", **in_tree_costs(target, candidates, prompts, cfg))
+    report["candidates"] = [{k: v for k, v in c.items() if k != "proposer"} for c in candidates]
+    report["recommendations"] = recommendations = recommend(report["predictions"], candidates, cfg.concurrency)
+    report["dynamic_configs"] = dynamic_configs(recommendations, candidates, report["predictions"])
     # publish: the report, the plot, a serving config per concurrency, the run files
     ensure_dir(out, "output_dir")
     atomic_write_json(out / "report.json", report)
     for b, r in recommendations.items():
         atomic_write_json(out / f"serve-c{b}.json", {"concurrency": b, "speculative_config": r["best"]["config"]})
+    atomic_write_json(out / "serve-dynamic.json", report["dynamic_configs"])
     plot(report, out / "compare.png")
     write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash},
                     argv, stage="compare")
@@ -124,7 +128,10 @@ def make_candidates(cfg: CompareConfig, target) -> list[dict]:
         precision = f"FP8 {manifest['quantization']['scheme']}" if manifest.get("quantization") else manifest["dtype"]
         out.append({"name": f"{manifest['algorithm']} {precision} ({d})", "export": str(d),
                     "method": manifest["method"], "precision": precision, "ns": list(range(1, most + 1)),
-                    "config": {"method": manifest["method"], "model": str(Path(d).resolve())}, "proposer": proposer})
+                    "config": {"method": manifest["method"], "model": str(Path(d).resolve())}, "proposer": proposer,
+                    "weights_sha256": manifest["files"][formats.WEIGHTS]["sha256"],
+                    # vLLM's Quark loader takes an FP8 draft only over a bf16/fp16 target
+                    "vllm_dtype": "bfloat16" if manifest.get("quantization") else "float32"})
     if cfg.ngram:
         ngram = NGramDraft(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         out.append({"name": f"ngram (n {ngram.min_n}..{ngram.max_n})", "export": None, "method": "ngram",
@@ -169,14 +176,16 @@ def wider_costs_more(seconds: dict[int, float]) -> dict[int, float]:
 
 
 def acceptance(target, proposer, prompts, max_new_tokens: int, n: int) -> dict:
-    """One candidate at N, decoded one prompt at a time (as `draftsmith eval` and vLLM count)."""
-    stats = DecodeStats(n)
+    """One candidate at N, decoded one prompt at a time (as `draftsmith eval` and vLLM count);
+    per prompt its decoding steps and output tokens (what the serving simulation replays)."""
+    stats, per_prompt = DecodeStats(n), []
     for prompt in prompts:
-        _, s = generate(target, [prompt], max_new_tokens, proposer, n, eos_token_ids=target.eos_token_ids)
+        out, s = generate(target, [prompt], max_new_tokens, proposer, n, eos_token_ids=target.eos_token_ids)
         stats.merge(s)
+        per_prompt.append([s.iterations, len(out[0])])
     share = stats.rounds / stats.iterations if stats.iterations else 0.0
     return {"tau": stats.tau, "share": share, "tokens_per_step": 1.0 + share * (stats.tau - 1.0) if stats.rounds
-            else 1.0, **stats.counts(), "steps": stats.iterations}
+            else 1.0, **stats.counts(), "steps": stats.iterations, "per_prompt": per_prompt}
 
 
 def draft_round_seconds(target, proposer, prompts, n: int, b: int, steps: int) -> float:
@@ -187,29 +196,150 @@ def draft_round_seconds(target, proposer, prompts, n: int, b: int, steps: int) -
     return s.draft_s / s.iterations if s.iterations else 0.0
 
 
-def predict(candidates, verify_s, concurrency) -> list[dict]:
-    """Expected output tokens/s of every (candidate, N) at every concurrency, and of no speculation."""
+def in_tree_costs(target, candidates, prompts, cfg) -> dict:
+    """--no-vllm: the target's forward at b rows x width and each draft's round, timed in-tree;
+    expected tokens/s (Leviathan et al., 2023, §3.4, the costs measured, not assumed):
+    b x tokens per step / (share x (V(b, N+1) + D(b, N)) + (1 - share) x V(b, 1)); none: b / V(b, 1)."""
+    context = context_for(prompts, cfg.max_new_tokens)
+    widths = sorted({1} | {n + 1 for c in candidates for n in c["ns"]})
+    verify_s = {b: wider_costs_more({w: target_step_seconds(target, context, b, w) for w in widths})
+                for b in cfg.concurrency}
     rows = [{"candidate": "no speculation", "n": 0, "concurrency": b, "tokens_per_s": b / verify_s[b][1]}
-            for b in concurrency]
+            for b in cfg.concurrency]
     for c in candidates:
         for n, m in c["by_n"].items():
             a = m["acceptance"]
-            for b in concurrency:
+            m["draft_s"] = {b: draft_round_seconds(target, c["proposer"], prompts, n, b, cfg.cost_steps)
+                            for b in cfg.concurrency}
+            for b in cfg.concurrency:
                 seconds = a["share"] * (verify_s[b][n + 1] + m["draft_s"][b]) + (1 - a["share"]) * verify_s[b][1]
                 rows.append({"candidate": c["name"], "n": n, "concurrency": b,
                              "tokens_per_s": b * a["tokens_per_step"] / seconds})
+    return {"verify_s": verify_s, "predictions": rows}
+
+
+def served_in_vllm(target, candidates, prompts, cfg, out: Path) -> dict:
+    """Every candidate and no speculation served in vLLM (greedy, fp32) on the prompts at every N
+    and concurrency b, as a client keeping b requests in flight (trainer/vllm/runners/vllm_generate.py,
+    a sweep: one engine per draft, N set through vLLM's dynamic speculative decoding), each engine
+    step timed. From each (candidate, N): vLLM's step time with k requests in flight and its
+    prompt cost per token, and so the prediction: the in-tree decoder's steps per prompt replayed
+    through those costs (`simulate`). Measured beside it: the served output tokens/s, and whether
+    vLLM's counts and outputs equal the in-tree decoder's."""
+    work = out.parent / f".{out.name}.vllm"
+    work.mkdir(parents=True, exist_ok=True)
+    top = max(cfg.concurrency)
+    jobs = [{"target": target.hf_dir, "prompts": prompts, "out": str(work / "none.json"), "max_num_seqs": top,
+             "max_new_tokens": cfg.max_new_tokens, "sweep": {"ns": [0], "concurrency": cfg.concurrency}}]
+    for i, c in enumerate(candidates):
+        job = {**jobs[0], "out": str(work / f"candidate-{i}.json"), "sweep": {"ns": c["ns"],
+                                                                             "concurrency": cfg.concurrency}}
+        if c["method"] == "ngram":
+            job.update(method="ngram", **{k: v for k, v in c["config"].items() if k.startswith("prompt_lookup")})
+        else:
+            job.update(draft=c["config"]["model"], method=c["method"], dtype=c["vllm_dtype"])
+        jobs.append(job)
+    print(f"compare: serving {len(jobs)} engines in vLLM (every N, concurrency {cfg.concurrency})", file=sys.stderr)
+    results = checks.run_vllm_jobs(jobs)
+    plain = results[0]["sweep"]
+    first = candidates[0]["by_n"][candidates[0]["ns"][0]]["acceptance"]["per_prompt"] if candidates else None
+    lengths = [len(p) for p in prompts]
+    rows, served = [], {}
+    none_steps = [[tokens - 1, tokens] for _, tokens in first] if first else None
+    if none_steps is None:  # nothing but no speculation: its steps from vLLM's own outputs
+        none_steps = [[len(o) - 1, len(o)] for o in plain[0]["outputs"]]
+    rows += predicted_and_measured("no speculation", 0, plain, none_steps, lengths, cfg.concurrency)
+    for c, r in zip(candidates, results[1:]):
+        for n in c["ns"]:
+            mine = [row for row in r["sweep"] if row["n"] == n]
+            a = c["by_n"][n]["acceptance"]
+            rows += predicted_and_measured(c["name"], n, mine, a["per_prompt"], lengths, cfg.concurrency)
+            c["by_n"][n]["vllm"] = [{"concurrency": row["concurrency"], "tokens_per_s": row["tokens"] / row["seconds"],
+                                     "counts_equal": same_counts(row["spec"], a, n),
+                                     "outputs_equal": row["outputs"] == plain[0]["outputs"]} for row in mine]
+    served["predictions"] = rows
+    served["vllm_version"] = results[0]["vllm"]
+    return served
+
+
+def same_counts(vllm_spec: dict, ours: dict, n: int) -> bool:
+    """vLLM's counters at N (an engine started for a larger N reports its other positions, at 0)
+    equal the in-tree decoder's."""
+    theirs = vllm_spec["accepted_per_position"]
+    return (vllm_spec["num_drafts"], vllm_spec["num_accepted_tokens"]) == (ours["num_drafts"],
+                                                                         ours["num_accepted_tokens"]) \
+        and theirs[:n] == ours["accepted_per_position"] and not any(theirs[n:])
+
+
+def predicted_and_measured(name, n, servings, per_prompt, lengths, concurrency) -> list[dict]:
+    """One (candidate, N) at each concurrency: the prediction from vLLM's step costs (measured over
+    all its servings) and the in-tree steps per prompt, and the served tokens/s."""
+    step_s, prompt_s = step_costs(servings)
+    requests = [(steps + 1, length) for (steps, _), length in zip(per_prompt, lengths)]  # + the prompt's step
+    tokens = sum(t for _, t in per_prompt)
+    rows = []
+    for row in servings:
+        b = row["concurrency"]
+        predicted = tokens / simulate(requests, b, step_s, prompt_s)
+        measured = row["tokens"] / row["seconds"]
+        rows.append({"candidate": name, "n": n, "concurrency": b, "tokens_per_s": predicted,
+                     "measured_tokens_per_s": measured, "error": predicted / measured - 1})
     return rows
 
 
+def step_costs(servings) -> tuple[dict[int, float], float]:
+    """vLLM's seconds per engine step with k requests in flight (the median over the steps that sent
+    no prompt) and per prompt token sent (the median excess of the steps that did, per token)."""
+    by_k: dict[int, list[float]] = {}
+    for row in servings:
+        for seconds, k, sent in row["steps"]:
+            if not sent:
+                by_k.setdefault(k, []).append(seconds)
+    step_s = {k: statistics.median(v) for k, v in sorted(by_k.items())}
+    excess = [(seconds - at(step_s, k)) / sent for row in servings for seconds, k, sent in row["steps"] if sent]
+    return step_s, max(0.0, statistics.median(excess)) if excess else 0.0
+
+
+def at(step_s: dict[int, float], k: int) -> float:
+    """The step time with k in flight: measured, else linear between the nearest measured (or the nearest)."""
+    if k in step_s:
+        return step_s[k]
+    below = [j for j in step_s if j < k]
+    above = [j for j in step_s if j > k]
+    if not below or not above:
+        return step_s[max(below) if below else min(above)]
+    lo, hi = max(below), min(above)
+    return step_s[lo] + (step_s[hi] - step_s[lo]) * (k - lo) / (hi - lo)
+
+
+def simulate(requests: list[tuple[int, int]], b: int, step_s: dict[int, float], prompt_s: float) -> float:
+    """Seconds to serve `requests` ((engine steps, prompt tokens) each) as a client keeping b in
+    flight: every engine step advances each request in flight by one step and costs the step time
+    at that many requests, plus the prompt cost of the requests sent before it (vLLM's continuous
+    batching, its costs measured)."""
+    pending, running, seconds = list(requests), [], 0.0
+    while pending or running:
+        sent = 0
+        while pending and len(running) < b:
+            steps, prompt = pending.pop(0)
+            running.append(steps)
+            sent += prompt
+        seconds += at(step_s, len(running)) + sent * prompt_s
+        running = [r - 1 for r in running if r > 1]
+    return seconds
+
+
 def recommend(predictions, candidates, concurrency) -> dict:
-    """For each concurrency the best prediction and the runner-up (another candidate), each with
-    its --speculative-config (None: serve without speculation)."""
+    """For each concurrency the best and the runner-up (another candidate), by the tokens/s vLLM
+    served where it served them, else the prediction; each with its --speculative-config (None:
+    serve without speculation)."""
     configs = {c["name"]: c["config"] for c in candidates}
     out = {}
     for b in concurrency:
-        ranked = sorted((p for p in predictions if p["concurrency"] == b), key=lambda p: -p["tokens_per_s"])
+        ranked = sorted((p for p in predictions if p["concurrency"] == b),
+                        key=lambda p: -p.get("measured_tokens_per_s", p["tokens_per_s"]))
         best = ranked[0]
-        runner = next(p for p in ranked if p["candidate"] != best["candidate"]) if len(ranked) > 1 else None
+        runner = next((p for p in ranked if p["candidate"] != best["candidate"]), None)
 
         def entry(p):
             if p is None:
@@ -221,35 +351,22 @@ def recommend(predictions, candidates, concurrency) -> dict:
     return out
 
 
-def check_in_vllm(target, candidates, recommendations, prompts, cfg, out: Path) -> list[dict]:
-    """The best and the runner-up at each concurrency served in vLLM (greedy, fp32, at most b
-    requests in flight) on the same prompts: measured output tokens/s beside the prediction."""
-    jobs, which = [], []
-    work = out.parent / f".{out.name}.vllm"
-    work.mkdir(parents=True, exist_ok=True)
-    for b, r in recommendations.items():
-        for role in ("best", "runner_up"):
-            p = r[role]
-            if p is None:
-                continue
-            config = p["config"] or {}
-            job = {"target": target.hf_dir, "prompts": prompts, "out": str(work / f"c{b}-{role}.json"),
-                   "max_new_tokens": cfg.max_new_tokens, "max_num_seqs": b,
-                   "num_speculative_tokens": config.get("num_speculative_tokens", 0)}
-            if config.get("method") == "ngram":
-                job.update({k: v for k, v in config.items() if k != "num_speculative_tokens"})
-            elif config:
-                job.update({"draft": config["model"], "method": config["method"]})
-            jobs.append(job)
-            which.append((b, role, p))
-    results = checks.run_vllm_jobs(jobs)
-    rows = []
-    for (b, role, p), r in zip(which, results):
-        measured = sum(len(o) for o in r["outputs"]) / r["seconds"]["generate"]
-        rows.append({"concurrency": b, "role": role, "candidate": p["candidate"], "n": p["n"],
-                     "predicted_tokens_per_s": p["tokens_per_s"], "measured_tokens_per_s": measured,
-                     "error": p["tokens_per_s"] / measured - 1, "vllm_tau": (r["spec"] or {}).get("tau")})
-    return rows
+def dynamic_configs(recommendations, candidates, predictions) -> dict:
+    """Per draft, one --speculative-config for every load: its best N at each concurrency as vLLM's
+    batch-size schedule (`num_speculative_tokens_per_batch_size`: [first, last, N] ranges, the last
+    carried on to larger batches; vllm/v1/spec_decode/dynamic/utils.py)."""
+    out = {}
+    concurrency = sorted(recommendations)
+    for c in candidates:
+        best = []
+        for b in concurrency:
+            mine = [p for p in predictions if p["candidate"] == c["name"] and p["concurrency"] == b]
+            best.append(max(mine, key=lambda p: p.get("measured_tokens_per_s", p["tokens_per_s"]))["n"])
+        ranges = [[b, (concurrency[i + 1] - 1) if i + 1 < len(concurrency) else b, n]
+                  for i, (b, n) in enumerate(zip(concurrency, best))]
+        out[c["name"]] = {**c["config"], "num_speculative_tokens": max(best),
+                          "num_speculative_tokens_per_batch_size": ranges}
+    return out
 
 
 def machine() -> dict:
@@ -261,13 +378,16 @@ def plot(report: dict, path: Path) -> None:
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     conc = report["concurrency"]
-    names = list(dict.fromkeys(p["candidate"] for p in report["predictions"]))
-    for name in names:
-        best = [max(p["tokens_per_s"] for p in report["predictions"] if p["candidate"] == name
-                    and p["concurrency"] == b) for b in conc]
+    measured = all("measured_tokens_per_s" in p for p in report["predictions"])
+    key = "measured_tokens_per_s" if measured else "tokens_per_s"
+    for name in dict.fromkeys(p["candidate"] for p in report["predictions"]):
+        best = [max(p[key] for p in report["predictions"] if p["candidate"] == name and p["concurrency"] == b)
+                for b in conc]
         ax.plot(conc, best, marker="o", label=name)
-    ax.set(xscale="log", xlabel="concurrency (requests in flight)", ylabel="expected output tokens/s",
-           xticks=conc, xticklabels=[str(b) for b in conc], title=f"{report['target']} on {report['dataset']}")
+    ax.set(xscale="log", xlabel="concurrency (requests in flight)",
+           ylabel="output tokens/s, served in vLLM" if measured else "expected output tokens/s (in-tree costs)",
+           xticks=conc, xticklabels=[str(b) for b in conc], title=f"{report['target']} on {report['dataset']}, "
+                                                                  "each at its best N")
     ax.legend(fontsize=7)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
@@ -283,16 +403,23 @@ def format_report(r: dict) -> str:
                                                                      if m["acceptance"]["share"] < 1 else "")
                          for n, m in c["by_n"].items())
         rows.append(f"  {c['name']}: {taus}")
+        differ = [f"N={n} c={v['concurrency']}" for n, m in c["by_n"].items() for v in m.get("vllm", [])
+                  if not (v["counts_equal"] and v["outputs_equal"])]
+        if differ:
+            rows.append("    warning: vLLM's counts or outputs differ from the in-tree decoder's at "
+                        + ", ".join(differ))
     for b, rec in r["recommendations"].items():
-        best, runner = rec["best"], rec["runner_up"]
-        say = lambda p: f"{p['candidate']}" + (f" N={p['n']}" if p["n"] else "") + f" {p['tokens_per_s']:.1f} tok/s"  # noqa: E731
-        rows.append(f"  concurrency {b}: serve {say(best)}" + (f" (runner-up: {say(runner)})" if runner else ""))
-        rows.append("    " + (f"--speculative-config '{json.dumps(best['config'])}'" if best["config"]
-                              else "serve without speculation"))
-    for v in r.get("vllm_check", []):
-        rows.append(f"  vLLM, concurrency {v['concurrency']}, {v['role']}: {v['candidate']} N={v['n']}: measured "
-                    f"{v['measured_tokens_per_s']:.1f} tok/s, predicted {v['predicted_tokens_per_s']:.1f} "
-                    f"({v['error']:+.0%})")
+        rows.append(f"  concurrency {b}:")
+        for p in sorted((p for p in r["predictions"] if p["concurrency"] == b),
+                        key=lambda p: -p.get("measured_tokens_per_s", p["tokens_per_s"])):
+            name = p["candidate"] + (f" N={p['n']}" if p["n"] else "")
+            served = f"predicted {p['tokens_per_s']:7.1f} tok/s"
+            if "measured_tokens_per_s" in p:
+                served = f"served {p['measured_tokens_per_s']:7.1f} tok/s, {served} ({p['error']:+.0%})"
+            rows.append(f"    {served}  {name}")
+        best = rec["best"]
+        rows.append("    serve: " + (f"--speculative-config '{json.dumps(best['config'])}'" if best["config"]
+                                      else "without speculation"))
     return "\n".join(rows)
 
 
@@ -321,7 +448,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_flags(CompareConfig, argv, __doc__, FLAGS, SWITCHES, repeated=REPEATED, prog="draftsmith compare")
     report = run(cfg, argv)
     print(format_report(report))
-    print(f"  written to {cfg.output_dir}/report.json, compare.png and serve-c*.json")
+    print(f"  written to {cfg.output_dir}/report.json, compare.png, serve-c*.json (one configuration per load) and "
+          "serve-dynamic.json (per draft, its best N at each load as vLLM's batch-size schedule)")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     draftsmith upload runs/demo/export-fp8 --repo me/smollm2-eagle3-fp8 --dry-run
     draftsmith upload runs/demo/export-fp8 --repo me/smollm2-eagle3-fp8 [--private] [--exist-ok]
     flags: --revision BRANCH (commit to a branch of an existing repo), --endpoint URL (a Hub-compatible
-           server), --base-model OWNER/NAME (the target's Hub id when it was loaded from a local folder)
+           server), --base-model OWNER/NAME (the target's Hub id when it was loaded from a local folder),
+           --compare DIR (a `draftsmith compare` of this export: served tokens/s per load in the card)
 
 The export must be complete: config.json, model.safetensors, draftsmith_export.json
 (every file matching its sha256) and eval/report.json (`draftsmith eval --draft EXPORT
@@ -34,12 +35,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--revision", help="a branch to commit to (created if missing)")
     ap.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     ap.add_argument("--base-model", help="the target's Hub id, when the export names a local folder")
+    ap.add_argument("--compare", metavar="DIR", help="a `draftsmith compare` output folder that measured this "
+                    "export: its served tokens/s per concurrency and its plot go into the card")
     ap.add_argument("--allow-extra-files", action="store_true",
                     help="also upload files added to the export after it was made (refused otherwise)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     args.export_dir = os.path.expanduser(args.export_dir)
 
-    plan = hub.plan_upload(args.export_dir, args.repo, args.base_model, args.allow_extra_files)
+    plan = hub.plan_upload(args.export_dir, args.repo, args.base_model, args.allow_extra_files, args.compare)
     visibility = "private" if args.private else "public"
     print(f"upload plan: {args.export_dir} -> {args.repo} ({visibility}"
           + (f", branch {args.revision}" if args.revision else "") + ")")

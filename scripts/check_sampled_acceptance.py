@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tempfile
 from pathlib import Path
 
 from recipes._common import load_proposer, target_for
 from trainer.data.evalsets import chat_prompt_ids, load_prompts
+from trainer.metrics import sampled_acceptance_agreement
 from trainer.speculative import DecodeStats, Sampling, generate
 from trainer.target import load_target
 from trainer.vllm import checks
@@ -55,16 +55,13 @@ def main() -> None:
         ours.merge(s)
     print(f"{name}, {len(prompts)} {args.dataset} prompts, T={args.temperature}, draft sampling "
           f"{args.draft_sampling}, N={n}: rounds vLLM {theirs['num_drafts']}, in-tree {ours.rounds}")
-    agree = True
-    for k in range(n):
-        a, m1 = theirs["accepted_per_position"][k], theirs["num_drafts"]
-        b, m2 = ours.accepted_at[k], ours.rounds
-        pooled = (a + b) / (m1 + m2)
-        se = math.sqrt(pooled * (1 - pooled) * (1 / m1 + 1 / m2)) if 0 < pooled < 1 else 0.0
-        ok = abs(a / m1 - b / m2) <= 3 * se
-        agree &= ok
-        print(f"  position {k + 1}: vLLM {a / m1:.4f} ({a}/{m1}), in-tree {b / m2:.4f} ({b}/{m2}), "
-              f"|diff| {abs(a / m1 - b / m2):.4f} vs 3 SE {3 * se:.4f}: {'agree' if ok else 'DIFFER'}")
+    rows = sampled_acceptance_agreement((theirs["accepted_per_position"], theirs["num_drafts"]),
+                                        (ours.accepted_at, ours.rounds))
+    for r in rows:
+        a, m1, b, m2 = r["counts"]
+        print(f"  position {r['position']}: vLLM {r['theirs']:.4f} ({a}/{m1}), in-tree {r['ours']:.4f} ({b}/{m2}), "
+              f"|diff| {r['diff']:.4f} vs 3 SE {r['bound']:.4f}: {'agree' if r['agree'] else 'DIFFER'}")
+    agree = all(r["agree"] for r in rows)
     if min(theirs["num_drafts"], ours.rounds) < 400:
         print("  (fewer than 400 rounds on a side: a weak test; give more prompts or tokens)")
     print("agree within 3 standard errors" if agree else "DIFFER")

