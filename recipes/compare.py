@@ -15,10 +15,11 @@ What is measured, and how:
 - served in vLLM (the default): every candidate and no speculation served on the same prompts at
   every N and concurrency b by a client keeping b requests in flight, one engine per candidate
   (N changed through vLLM's dynamic speculative decoding), every engine step timed. The served
-  tokens/s decide the recommendation; vLLM's counts and outputs are checked against the in-tree
-  decoder's at every N. The prediction printed beside (its error says whether acceptance and
-  step cost explain served speed): the in-tree steps of each prompt replayed through vLLM's
-  measured step times at k requests in flight and its cost per prompt token (`simulate`).
+  tokens/s decide the recommendation; vLLM's counts are checked against the in-tree decoder's and
+  its outputs against its plain decoding's (lossless) at every N. The prediction printed beside
+  (its error says whether acceptance and step cost explain served speed): the in-tree steps of
+  each prompt replayed through vLLM's measured step times at k requests in flight and its cost
+  per prompt token (`simulate`).
 - --no-vllm: costs timed in-tree (the target's forward over b rows of width N + 1, each draft's
   round), expected tokens/s (Leviathan et al., 2023, §3.4) b x tokens per step / (share x (V(b, N+1)
   + D(b, N)) + (1 - share) x V(b, 1)); a prediction only, and a rough one (README).
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -102,7 +104,7 @@ def run(cfg: CompareConfig, argv=None) -> dict:
                                         "differ, see the README)", **in_tree_costs(target, candidates, prompts, cfg))
     report["candidates"] = [{k: v for k, v in c.items() if k != "proposer"} for c in candidates]
     report["recommendations"] = recommendations = recommend(report["predictions"], candidates, cfg.concurrency)
-    report["dynamic_configs"] = dynamic_configs(recommendations, candidates, report["predictions"])
+    report["dynamic_configs"] = dynamic_configs(cfg.concurrency, candidates, report["predictions"])
     # publish: the report, the plot, a serving config per concurrency, the run files
     ensure_dir(out, "output_dir")
     atomic_write_json(out / "report.json", report)
@@ -224,8 +226,8 @@ def served_in_vllm(target, candidates, prompts, cfg, out: Path) -> dict:
     a sweep: one engine per draft, N set through vLLM's dynamic speculative decoding), each engine
     step timed. From each (candidate, N): vLLM's step time with k requests in flight and its
     prompt cost per token, and so the prediction: the in-tree decoder's steps per prompt replayed
-    through those costs (`simulate`). Measured beside it: the served output tokens/s, and whether
-    vLLM's counts and outputs equal the in-tree decoder's."""
+    through those costs (`simulate`). Measured beside it: the served output tokens/s, whether
+    vLLM's counts equal the in-tree decoder's, and whether its outputs equal its plain decoding's."""
     work = out.parent / f".{out.name}.vllm"
     work.mkdir(parents=True, exist_ok=True)
     top = max(cfg.concurrency)
@@ -240,20 +242,19 @@ def served_in_vllm(target, candidates, prompts, cfg, out: Path) -> dict:
             job.update(draft=c["config"]["model"], method=c["method"], dtype=c["vllm_dtype"])
         jobs.append(job)
     print(f"compare: serving {len(jobs)} engines in vLLM (every N, concurrency {cfg.concurrency})", file=sys.stderr)
-    results = checks.run_vllm_jobs(jobs)
+    results = checks.run_vllm_jobs(jobs, timeout=900 * len(jobs))
+    shutil.rmtree(work)  # kept, with the runner's log, only when vLLM fails
     plain = results[0]["sweep"]
-    first = candidates[0]["by_n"][candidates[0]["ns"][0]]["acceptance"]["per_prompt"] if candidates else None
     lengths = [len(p) for p in prompts]
     rows, served = [], {}
-    none_steps = [[tokens - 1, tokens] for _, tokens in first] if first else None
-    if none_steps is None:  # nothing but no speculation: its steps from vLLM's own outputs
-        none_steps = [[len(o) - 1, len(o)] for o in plain[0]["outputs"]]
-    rows += predicted_and_measured("no speculation", 0, plain, none_steps, lengths, cfg.concurrency)
+    # plain decoding: one step per token after the prompt's (its outputs are every candidate's, checked below)
+    none_steps = [[len(o) - 1, len(o)] for o in plain[0]["outputs"]]
+    rows += predicted_and_measured("no speculation", 0, plain, none_steps, lengths)
     for c, r in zip(candidates, results[1:]):
         for n in c["ns"]:
             mine = [row for row in r["sweep"] if row["n"] == n]
             a = c["by_n"][n]["acceptance"]
-            rows += predicted_and_measured(c["name"], n, mine, a["per_prompt"], lengths, cfg.concurrency)
+            rows += predicted_and_measured(c["name"], n, mine, a["per_prompt"], lengths)
             c["by_n"][n]["vllm"] = [{"concurrency": row["concurrency"], "tokens_per_s": row["tokens"] / row["seconds"],
                                      "counts_equal": same_counts(row["spec"], a, n),
                                      "outputs_equal": row["outputs"] == plain[0]["outputs"]} for row in mine]
@@ -271,7 +272,7 @@ def same_counts(vllm_spec: dict, ours: dict, n: int) -> bool:
         and theirs[:n] == ours["accepted_per_position"] and not any(theirs[n:])
 
 
-def predicted_and_measured(name, n, servings, per_prompt, lengths, concurrency) -> list[dict]:
+def predicted_and_measured(name, n, servings, per_prompt, lengths) -> list[dict]:
     """One (candidate, N) at each concurrency: the prediction from vLLM's step costs (measured over
     all its servings) and the in-tree steps per prompt, and the served tokens/s."""
     step_s, prompt_s = step_costs(servings)
@@ -351,12 +352,12 @@ def recommend(predictions, candidates, concurrency) -> dict:
     return out
 
 
-def dynamic_configs(recommendations, candidates, predictions) -> dict:
+def dynamic_configs(concurrency: list[int], candidates, predictions) -> dict:
     """Per draft, one --speculative-config for every load: its best N at each concurrency as vLLM's
     batch-size schedule (`num_speculative_tokens_per_batch_size`: [first, last, N] ranges, the last
     carried on to larger batches; vllm/v1/spec_decode/dynamic/utils.py)."""
     out = {}
-    concurrency = sorted(recommendations)
+    concurrency = sorted(concurrency)
     for c in candidates:
         best = []
         for b in concurrency:
@@ -406,7 +407,8 @@ def format_report(r: dict) -> str:
         differ = [f"N={n} c={v['concurrency']}" for n, m in c["by_n"].items() for v in m.get("vllm", [])
                   if not (v["counts_equal"] and v["outputs_equal"])]
         if differ:
-            rows.append("    warning: vLLM's counts or outputs differ from the in-tree decoder's at "
+            rows.append("    warning: vLLM's counts differ from the in-tree decoder's, or its outputs from plain "
+                        "decoding's (an FP8 draft runs over a bf16 target: near-ties may flip), at "
                         + ", ".join(differ))
     for b, rec in r["recommendations"].items():
         rows.append(f"  concurrency {b}:")
