@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,11 +143,14 @@ PLUGIN_INSTALL = f"pip install {PLUGIN} with the vLLM environment's pip"
 def plugin_families() -> dict[str, tuple[str, ...]]:
     """The architectures draftsmith's vLLM plugin extends and the methods verified through it for
     each (its VERIFIED_METHODS; read from its source, which imports vllm only when it registers)."""
-    spec = importlib.util.spec_from_file_location("draftsmith_vllm_plugin", PLUGIN / "draftsmith_vllm_plugin" /
-                                                  "__init__.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return dict(module.VERIFIED_METHODS)
+    name, package = "_draftsmith_vllm_plugin_source", PLUGIN / "draftsmith_vllm_plugin"
+    if name not in sys.modules:  # a package (it imports its own modules), not vLLM's installed copy
+        spec = importlib.util.spec_from_file_location(name, package / "__init__.py",
+                                                      submodule_search_locations=[str(package)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return dict(sys.modules[name].VERIFIED_METHODS)
 
 
 def target_servability(target: str | TargetSource, method: str) -> Servability:

@@ -19,7 +19,7 @@ import importlib
 import inspect
 import logging
 
-from draftsmith_vllm_plugin import cpu_sampling
+from . import cpu_sampling
 
 logger = logging.getLogger(__name__)
 
