@@ -86,6 +86,9 @@ def run(cfg: CompareConfig, argv=None) -> dict:
     candidates = make_candidates(cfg, target)
     prompts = prompt_ids(target, load_prompts(cfg.dataset, cfg.num_prompts), cfg.drafts[0] if cfg.drafts else
                          "ngram", cfg.chat_template, False, "compare --chat-template")
+    if max(cfg.concurrency) > len(prompts):
+        raise DraftsmithError(f"compare --concurrency {max(cfg.concurrency)} needs that many prompts in flight; "
+                              f"--num-prompts gives {len(prompts)} of {cfg.dataset}: raise it or lower the concurrency")
     print(f"compare: {len(candidates)} candidates on {len(prompts)} prompts of {cfg.dataset}, concurrency "
           f"{cfg.concurrency}", file=sys.stderr)
     for c in candidates:
@@ -250,7 +253,11 @@ def served_in_vllm(target, candidates, prompts, cfg, out: Path) -> dict:
     # plain decoding: one step per token after the prompt's (its outputs are every candidate's, checked below)
     none_steps = [[len(o) - 1, len(o)] for o in plain[0]["outputs"]]
     rows += predicted_and_measured("no speculation", 0, plain, none_steps, lengths)
+    unserved = [c for c, r in zip(candidates, results[1:]) if "unservable" in r]
     for c, r in zip(candidates, results[1:]):
+        if "unservable" in r:
+            c["not_served"] = r["unservable"]
+            continue
         for n in c["ns"]:
             mine = [row for row in r["sweep"] if row["n"] == n]
             a = c["by_n"][n]["acceptance"]
@@ -258,6 +265,18 @@ def served_in_vllm(target, candidates, prompts, cfg, out: Path) -> dict:
             c["by_n"][n]["vllm"] = [{"concurrency": row["concurrency"], "tokens_per_s": row["tokens"] / row["seconds"],
                                      "counts_equal": same_counts(row["spec"], a, n),
                                      "outputs_equal": row["outputs"] == plain[0]["outputs"]} for row in mine]
+    if unserved:  # the in-tree decoder's costs, its speedup over its own plain decoding at vLLM's plain speed
+        print(f"compare: {', '.join(c['name'] for c in unserved)}: {unserved[0]['not_served']}; predicted from "
+              "in-tree costs", file=sys.stderr)
+        costs = in_tree_costs(target, unserved, prompts, cfg)
+        own_plain = {p["concurrency"]: p["tokens_per_s"] for p in costs["predictions"] if p["n"] == 0}
+        vllm_plain = {p["concurrency"]: p["measured_tokens_per_s"] for p in rows if p["n"] == 0}
+        for p in costs["predictions"]:
+            if p["n"]:
+                speedup = p["tokens_per_s"] / own_plain[p["concurrency"]]
+                rows.append({**p, "in_tree": True, "speedup": speedup,
+                             "at_vllm_plain_tokens_per_s": speedup * vllm_plain[p["concurrency"]]})
+        served["in_tree_verify_s"] = costs["verify_s"]
     served["predictions"] = rows
     served["vllm_version"] = results[0]["vllm"]
     return served
@@ -289,16 +308,21 @@ def predicted_and_measured(name, n, servings, per_prompt, lengths) -> list[dict]
 
 
 def step_costs(servings) -> tuple[dict[int, float], float]:
-    """vLLM's seconds per engine step with k requests in flight (the median over the steps that sent
-    no prompt) and per prompt token sent (the median excess of the steps that did, per token)."""
+    """vLLM's seconds per engine step with k requests in flight (the mean over the steps that sent
+    no prompt, plus the client's own time between steps, spread over every step) and per prompt
+    token sent (the steps that sent one: their excess over that, per token). Means, not medians:
+    served tokens/s is total tokens over total time, so a slow step counts at its full length."""
     by_k: dict[int, list[float]] = {}
     for row in servings:
         for seconds, k, sent in row["steps"]:
             if not sent:
                 by_k.setdefault(k, []).append(seconds)
-    step_s = {k: statistics.median(v) for k, v in sorted(by_k.items())}
-    excess = [(seconds - at(step_s, k)) / sent for row in servings for seconds, k, sent in row["steps"] if sent]
-    return step_s, max(0.0, statistics.median(excess)) if excess else 0.0
+    steps = [step for row in servings for step in row["steps"]]
+    client_s = max(0.0, sum(row["seconds"] for row in servings) - sum(s for s, _, _ in steps)) / len(steps)
+    step_s = {k: statistics.fmean(v) + client_s for k, v in sorted(by_k.items())}
+    sent = sum(n for _, _, n in steps)
+    excess = sum(seconds + client_s - at(step_s, k) for seconds, k, n in steps if n)
+    return step_s, max(0.0, excess / sent) if sent else 0.0
 
 
 def at(step_s: dict[int, float], k: int) -> float:
@@ -332,12 +356,13 @@ def simulate(requests: list[tuple[int, int]], b: int, step_s: dict[int, float], 
 
 def recommend(predictions, candidates, concurrency) -> dict:
     """For each concurrency the best and the runner-up (another candidate), by the tokens/s vLLM
-    served where it served them, else the prediction; each with its --speculative-config (None:
-    serve without speculation)."""
+    served where it served them, else the prediction (--no-vllm); each with its
+    --speculative-config (None: serve without speculation). A candidate the installed vLLM cannot
+    serve is never recommended (its in-tree prediction is printed beside)."""
     configs = {c["name"]: c["config"] for c in candidates}
     out = {}
     for b in concurrency:
-        ranked = sorted((p for p in predictions if p["concurrency"] == b),
+        ranked = sorted((p for p in predictions if p["concurrency"] == b and not p.get("in_tree")),
                         key=lambda p: -p.get("measured_tokens_per_s", p["tokens_per_s"]))
         best = ranked[0]
         runner = next((p for p in ranked if p["candidate"] != best["candidate"]), None)
@@ -379,12 +404,14 @@ def plot(report: dict, path: Path) -> None:
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     conc = report["concurrency"]
-    measured = all("measured_tokens_per_s" in p for p in report["predictions"])
-    key = "measured_tokens_per_s" if measured else "tokens_per_s"
+    measured = any("measured_tokens_per_s" in p for p in report["predictions"])
     for name in dict.fromkeys(p["candidate"] for p in report["predictions"]):
-        best = [max(p[key] for p in report["predictions"] if p["candidate"] == name and p["concurrency"] == b)
-                for b in conc]
-        ax.plot(conc, best, marker="o", label=name)
+        mine = [p for p in report["predictions"] if p["candidate"] == name]
+        key = "at_vllm_plain_tokens_per_s" if mine[0].get("in_tree") else \
+            "measured_tokens_per_s" if measured else "tokens_per_s"
+        best = [max(p[key] for p in mine if p["concurrency"] == b) for b in conc]
+        ax.plot(conc, best, marker="o", linestyle="--" if mine[0].get("in_tree") else "-",
+                label=name + (" (not served: in-tree speedup x vLLM plain)" if mine[0].get("in_tree") else ""))
     ax.set(xscale="log", xlabel="concurrency (requests in flight)",
            ylabel="output tokens/s, served in vLLM" if measured else "expected output tokens/s (in-tree costs)",
            xticks=conc, xticklabels=[str(b) for b in conc], title=f"{report['target']} on {report['dataset']}, "
@@ -404,6 +431,9 @@ def format_report(r: dict) -> str:
                                                                      if m["acceptance"]["share"] < 1 else "")
                          for n, m in c["by_n"].items())
         rows.append(f"  {c['name']}: {taus}")
+        if c.get("not_served"):
+            rows.append(f"    not served: {c['not_served']} (its costs from the in-tree decoder; never "
+                        "recommended here)")
         differ = [f"N={n} c={v['concurrency']}" for n, m in c["by_n"].items() for v in m.get("vllm", [])
                   if not (v["counts_equal"] and v["outputs_equal"])]
         if differ:
@@ -412,11 +442,21 @@ def format_report(r: dict) -> str:
                         + ", ".join(differ))
     for b, rec in r["recommendations"].items():
         rows.append(f"  concurrency {b}:")
-        for p in sorted((p for p in r["predictions"] if p["concurrency"] == b),
-                        key=lambda p: -p.get("measured_tokens_per_s", p["tokens_per_s"])):
+        here = [p for p in r["predictions"] if p["concurrency"] == b]
+        unserved = {}  # a candidate this vLLM cannot serve: its best N only
+        for p in here:
+            if p.get("in_tree") and p["speedup"] > unserved.get(p["candidate"], {"speedup": -1})["speedup"]:
+                unserved[p["candidate"]] = p
+        here = [p for p in here if not p.get("in_tree")] + list(unserved.values())
+        for p in sorted(here,
+                        key=lambda p: -p.get("measured_tokens_per_s", p.get("at_vllm_plain_tokens_per_s",
+                                                                                 p["tokens_per_s"]))):
             name = p["candidate"] + (f" N={p['n']}" if p["n"] else "")
             served = f"predicted {p['tokens_per_s']:7.1f} tok/s"
-            if "measured_tokens_per_s" in p:
+            if p.get("in_tree"):
+                served = (f"not served, in-tree {p['speedup']:.2f}x its plain decoding "
+                          f"(~{p['at_vllm_plain_tokens_per_s']:.1f} tok/s at vLLM's plain speed)")
+            elif "measured_tokens_per_s" in p:
                 served = f"served {p['measured_tokens_per_s']:7.1f} tok/s, {served} ({p['error']:+.0%})"
             rows.append(f"    {served}  {name}")
         best = rec["best"]

