@@ -161,7 +161,8 @@ def compare_lines(report: dict, mine: dict, plot: bool) -> list[str]:
     key = "measured_tokens_per_s" if served else "tokens_per_s"
     m = report["machine"]
     where = m.get("cuda") or f"{m['cpu']} CPU, {m['threads']} threads"
-    how = (f"served in vLLM {report.get('vllm_version')}" if served else
+    how = (f"served in vLLM {report.get('vllm_version')} (the target in {report.get('vllm_dtype', 'float32')})"
+           if served else
            "predicted from in-tree costs (`--no-vllm`: not served)")
     lines = ["## Served speed", "",
              f"Output tokens/s {how} on {where}, measured by `draftsmith compare`: {report['dataset']}, "

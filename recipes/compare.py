@@ -84,6 +84,8 @@ def run(cfg: CompareConfig, argv=None) -> dict:
     # produce: the candidates, their acceptance at every N, the costs, the model, the recommendation
     target = load_target(source)
     candidates = make_candidates(cfg, target)
+    if cfg.vllm:
+        serving_dtype(cfg, candidates)  # an FP8 export with dtype=float32: refused before any measurement
     prompts = prompt_ids(target, load_prompts(cfg.dataset, cfg.num_prompts), cfg.drafts[0] if cfg.drafts else
                          "ngram", cfg.chat_template, False, "compare --chat-template")
     if max(cfg.concurrency) > len(prompts):
@@ -100,7 +102,8 @@ def run(cfg: CompareConfig, argv=None) -> dict:
               "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "concurrency": cfg.concurrency,
               "machine": machine()}
     if cfg.vllm:
-        report.update(costs_measured_in="vLLM (every candidate served at every N and concurrency)",
+        report.update(costs_measured_in=f"vLLM (every candidate served at every N and concurrency, the target in "
+                                        f"{serving_dtype(cfg, candidates)})",
                       **served_in_vllm(target, candidates, prompts, cfg, out))
     else:
         report.update(costs_measured_in="the in-tree decoder (--no-vllm: nothing served; vLLM's own step times "
@@ -135,8 +138,7 @@ def make_candidates(cfg: CompareConfig, target) -> list[dict]:
                     "method": manifest["method"], "precision": precision, "ns": list(range(1, most + 1)),
                     "config": {"method": manifest["method"], "model": str(Path(d).resolve())}, "proposer": proposer,
                     "weights_sha256": manifest["files"][formats.WEIGHTS]["sha256"],
-                    # vLLM's Quark loader takes an FP8 draft only over a bf16/fp16 target
-                    "vllm_dtype": "bfloat16" if manifest.get("quantization") else "float32"})
+                    "fp8": bool(manifest.get("quantization"))})
     if cfg.ngram:
         ngram = NGramDraft(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         out.append({"name": f"ngram (n {ngram.min_n}..{ngram.max_n})", "export": None, "method": "ngram",
@@ -231,18 +233,20 @@ def served_in_vllm(target, candidates, prompts, cfg, out: Path) -> dict:
     prompt cost per token, and so the prediction: the in-tree decoder's steps per prompt replayed
     through those costs (`simulate`). Measured beside it: the served output tokens/s, whether
     vLLM's counts equal the in-tree decoder's, and whether its outputs equal its plain decoding's."""
+    dtype = serving_dtype(cfg, candidates)
     work = out.parent / f".{out.name}.vllm"
     work.mkdir(parents=True, exist_ok=True)
     top = max(cfg.concurrency)
     jobs = [{"target": target.hf_dir, "prompts": prompts, "out": str(work / "none.json"), "max_num_seqs": top,
-             "max_new_tokens": cfg.max_new_tokens, "sweep": {"ns": [0], "concurrency": cfg.concurrency}}]
+             "max_new_tokens": cfg.max_new_tokens, "sweep": {"ns": [0], "concurrency": cfg.concurrency},
+             "dtype": dtype}]
     for i, c in enumerate(candidates):
         job = {**jobs[0], "out": str(work / f"candidate-{i}.json"), "sweep": {"ns": c["ns"],
                                                                              "concurrency": cfg.concurrency}}
         if c["method"] == "ngram":
             job.update(method="ngram", **{k: v for k, v in c["config"].items() if k.startswith("prompt_lookup")})
         else:
-            job.update(draft=c["config"]["model"], method=c["method"], dtype=c["vllm_dtype"])
+            job.update(draft=c["config"]["model"], method=c["method"])
         jobs.append(job)
     print(f"compare: serving {len(jobs)} engines in vLLM (every N, concurrency {cfg.concurrency})", file=sys.stderr)
     results = checks.run_vllm_jobs(jobs, timeout=900 * len(jobs))
@@ -279,7 +283,21 @@ def served_in_vllm(target, candidates, prompts, cfg, out: Path) -> dict:
         served["in_tree_verify_s"] = costs["verify_s"]
     served["predictions"] = rows
     served["vllm_version"] = results[0]["vllm"]
+    served["vllm_dtype"] = dtype
     return served
+
+
+def serving_dtype(cfg: CompareConfig, candidates) -> str:
+    """One dtype for the target under every candidate (a speedup is one over the same target):
+    bfloat16 where an FP8 export is compared (vLLM's Quark loader takes one only over a bf16/fp16
+    target), else float32, where vLLM's counts are the in-tree decoder's exactly."""
+    fp8 = [c["export"] for c in candidates if c.get("fp8")]
+    if cfg.dtype == "float32" and fp8:
+        raise DraftsmithError(f"compare dtype=float32 with the FP8 export '{fp8[0]}': vLLM serves an FP8 draft only "
+                              "over a bfloat16 or float16 target; use dtype=bfloat16 (or auto)")
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "bfloat16" if fp8 else "float32"
 
 
 def same_counts(vllm_spec: dict, ours: dict, n: int) -> bool:
@@ -438,7 +456,7 @@ def format_report(r: dict) -> str:
                   if not (v["counts_equal"] and v["outputs_equal"])]
         if differ:
             rows.append("    warning: vLLM's counts differ from the in-tree decoder's, or its outputs from plain "
-                        "decoding's (an FP8 draft runs over a bf16 target: near-ties may flip), at "
+                        f"decoding's (served in {r.get('vllm_dtype')}: outside float32 near-ties may flip), at "
                         + ", ".join(differ))
     for b, rec in r["recommendations"].items():
         rows.append(f"  concurrency {b}:")

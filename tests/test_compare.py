@@ -135,3 +135,18 @@ def test_upload_puts_the_comparison_in_the_card(exports, tmp_path):
     assert other["candidates"][0]["weights_sha256"] != r["candidates"][0]["weights_sha256"]
     with pytest.raises(DraftsmithError, match="did not measure these weights"):
         hub.plan_upload(export, "me/tiny-eagle3", base_model="someone/tiny", compare_dir=tmp_path / "other" / "cmp")
+
+
+def test_every_candidate_is_served_over_one_target_dtype():
+    """No speculation and every draft are served over the target in one dtype (a speedup is one
+    over the same target): bfloat16 where an FP8 export is compared (vLLM's Quark loader needs it),
+    float32 otherwise; an FP8 export with dtype=float32 is refused in one line."""
+    from trainer.config import CompareConfig
+    from trainer.errors import DraftsmithError
+
+    bf16, fp8 = {"export": "a", "fp8": False}, {"export": "b", "fp8": True}
+    assert compare.serving_dtype(CompareConfig(), [bf16]) == "float32"
+    assert compare.serving_dtype(CompareConfig(), [bf16, fp8]) == "bfloat16"
+    assert compare.serving_dtype(CompareConfig(dtype="bfloat16"), [bf16]) == "bfloat16"
+    with pytest.raises(DraftsmithError, match="FP8 export 'b'.*dtype=bfloat16"):
+        compare.serving_dtype(CompareConfig(dtype="float32"), [bf16, fp8])

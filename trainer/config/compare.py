@@ -25,6 +25,10 @@ class CompareConfig:
     # serve every candidate at every N and concurrency in vLLM (a vLLM environment: scripts/setup_vllm.sh):
     # its step costs predict, its served tokens/s decide; false: in-tree costs, a prediction only
     vllm: bool = True
+    # the dtype vLLM serves the target in, the same for every candidate and for no speculation (a
+    # speedup is only one over the same target): auto = bfloat16 when an FP8 export is compared
+    # (vLLM's Quark loader needs a bf16/fp16 target), else float32 (the in-tree decoder's counts, exactly)
+    dtype: str = "auto"
     cost_steps: int = 8  # vllm=false: decoding steps timed per draft, N and concurrency for a draft's round
     output_dir: str = "runs/compare"
     overwrite: bool = True  # a comparison is a measurement: re-running replaces it
@@ -36,5 +40,7 @@ class CompareConfig:
             raise ConfigError("num_prompts, max_new_tokens and cost_steps must be >= 1")
         if not self.concurrency or any(not isinstance(c, int) or c < 1 for c in self.concurrency):
             raise ConfigError(f"concurrency {self.concurrency}: give one or more integers >= 1, e.g. 1,4,16")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype '{self.dtype}': give auto, float32, bfloat16 or float16")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("the n-gram needs 1 <= prompt_lookup_min <= prompt_lookup_max (as vLLM)")
