@@ -12,9 +12,9 @@
 #
 # Needs: draftsmith's .venv (the in-tree acceptance, on the GPU if its torch has one) and a GPU
 # vLLM whose Python is $DRAFTSMITH_VLLM_PYTHON, with draftsmith's plugin installed there
-# (pip install trainer/vllm/plugin). Exports in BF16 are served in float32 and FP8 ones over a
-# bfloat16 target, as on the CPU (what the count check needs): a production bf16 deployment is
-# faster than these figures, in the same order.
+# (pip install trainer/vllm/plugin). Every candidate is served over the target in one dtype:
+# bfloat16 when an FP8 export is given (vLLM's Quark loader needs it), else float32 (DTYPE=bfloat16
+# serves BF16-only comparisons as production does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DRAFTSMITH_VLLM_PYTHON:?set DRAFTSMITH_VLLM_PYTHON to the python of a GPU vLLM build}"
@@ -31,4 +31,4 @@ done
 "$DRAFTSMITH_VLLM_PYTHON" -c "import vllm, draftsmith_vllm_plugin; print('vLLM', vllm.__version__)"
 .venv/bin/python -c "import torch; print('in-tree on', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')"
 .venv/bin/python -m recipes.compare --drafts "${EXPORTS[@]}" --dataset gsm8k --num-prompts "$PROMPTS" \
-    --max-new-tokens "$MAX_NEW" --concurrency "$CONCURRENCY" --output-dir "$OUT"
+    --max-new-tokens "$MAX_NEW" --concurrency "$CONCURRENCY" --output-dir "$OUT" "dtype=${DTYPE:-auto}"
