@@ -176,6 +176,28 @@ def test_float8_rows_round_to_e4m3_with_their_own_scale():
     assert b.keys() == {"aux_hidden_states", "last_hidden_state"} and b["aux_hidden_states"].dtype == torch.bfloat16
 
 
+def test_states_a_store_dtype_cannot_hold_are_refused_not_stored_as_inf():
+    """float16 tops out at 65504: finite states above it (massive activations) would be stored as
+    inf after the finite check. What is checked is what is stored: float16 refuses them naming the
+    sample, token and layer; padding is not checked; bfloat16, float32 and float8 hold them."""
+    from trainer.data.shards import store_states
+    from trainer.errors import DataError
+
+    with pytest.raises(DataError, match=r"stored aux layer 0 of 2 at token 0 does not fit store_dtype=float16"):
+        store_states(torch.full((1, 3, 8), 7e4), torch.ones(1, 3, 4), "float16")  # the issue's case
+    aux, last = torch.ones(2, 3, 2 * 8), torch.ones(2, 3, 8)
+    aux[1, 2, 8 + 3] = -7e4  # row 1, token 2, aux layer 1
+    with pytest.raises(DataError, match=r"^sample b: stored aux layer 1 of 2 at token 2 .*\|x\| up to 7e\+04"):
+        store_states(aux, last, "float16", samples=["a", "b"], lengths=[3, 3])
+    assert store_states(aux, last, "float16", samples=["a", "b"], lengths=[3, 2])  # token 2 of b is padding
+    last[0, 1, 5] = 1e5
+    with pytest.raises(DataError, match=r"^sample a: the last layer's state at token 1 "):
+        store_states(aux, last, "float16", samples=["a", "b"], lengths=[3, 3])
+    for dtype in ("bfloat16", "float32", "float8_e4m3"):
+        stored = store_states(aux, last, dtype, samples=["a", "b"], lengths=[3, 3])
+        assert all(torch.isfinite(v.float()).all() for v in stored.values())
+
+
 def test_a_float8_capture_halves_bfloat16_and_trains_on_its_dequantized_states(tmp_path, prepared, tiny_target_dir,
                                                                              tiny_target):
     """store_dtype=float8_e4m3: bytes/token on disk are the expected ones (half of bfloat16's

@@ -52,43 +52,76 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 SCALES = {"aux_hidden_states": "aux_scales", "last_hidden_state": "last_scales"}  # float8 only
 
 
+def _first_bad(aux: torch.Tensor, last: torch.Tensor, lengths: list[int] | None) -> tuple[int, int, int] | None:
+    """(row, token, state) of the first inf/NaN in aux [B, T, L*H] / last [B, T, H] (or [T, ...]
+    for one sample), padding past `lengths` ignored: state k < L is the k-th stored aux layer,
+    state L the last layer's. None when every value is finite."""
+    H = last.shape[-1]
+    states = torch.cat([aux.unflatten(-1, (-1, H)), last[..., None, :]], dim=-2)  # [B, T, L+1, H] or [T, L+1, H]
+    bad = ~torch.isfinite(states).all(-1)  # [B, T, L+1] or [T, L+1]
+    if bad.dim() == 2:
+        bad = bad[None]  # [1, T, L+1]
+    if lengths is not None:
+        real = torch.arange(bad.shape[1], device=bad.device)[None] < torch.tensor(lengths, device=bad.device)[:, None]
+        bad &= real[..., None]
+    if not bool(bad.any()):
+        return None
+    r, t, k = (int(x) for x in bad.nonzero()[0])
+    return r, t, k
+
+
+def _who(samples: list | None, r: int, one: bool) -> str:
+    return f"sample {samples[r]}" if samples is not None else "a sample" if one else f"row {r} of the batch"
+
+
 def check_finite(aux: torch.Tensor, last: torch.Tensor, samples: list | None = None,
                  lengths: list[int] | None = None) -> None:
     """Refuse states holding inf/NaN, naming the first such sample: aux [B, T, L*H] and last
     [B, T, H] (a batch; `samples` names each row, `lengths` its real tokens, the rest padding),
     or [T, L*H] and [T, H] (one sample, `samples` its one name). Stored, they would train a draft
     on NaN (and float8's per-row scale turns one inf into a row of NaN)."""
-    bad = ~(torch.isfinite(aux).all(-1) & torch.isfinite(last).all(-1))  # [B, T] or [T]
-    one = bad.dim() == 1
-    if one:
-        bad = bad[None]  # [1, T]
-    if lengths is not None:
-        bad &= torch.arange(bad.shape[-1], device=bad.device)[None] < torch.tensor(lengths, device=bad.device)[:, None]
-    if not bool(bad.any()):
+    found = _first_bad(aux, last, lengths)
+    if found is None:
         return
-    r, t = (int(x) for x in bad.nonzero()[0])
-    name = f"sample {samples[r]}" if samples is not None else "a sample" if one else f"row {r} of the batch"
-    raise DataError(f"{name}: the target's hidden states hold inf/NaN (first at token {t}); a draft would train "
-                    "on NaN, so nothing is stored: check the target's weights and target_dtype (float32 does not "
-                    "overflow where float16 may), or drop that conversation from the data")
+    r, t, _ = found
+    raise DataError(f"{_who(samples, r, last.dim() == 2)}: the target's hidden states hold inf/NaN (first at "
+                    f"token {t}); a draft would train on NaN, so nothing is stored: check the target's weights and "
+                    "target_dtype (float32 does not overflow where float16 may), or drop that conversation")
 
 
 def store_states(aux: torch.Tensor, last: torch.Tensor, store_dtype: str, samples: list | None = None,
                  lengths: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Hidden states as a shard stores them: aux [..., L*H] and last [..., H] cast to the store
     dtype, or for float8_e4m3 quantized per row and layer with their scales (module docstring).
-    States holding inf/NaN are refused first (`check_finite`: `samples` and `lengths` name them)."""
+    States holding inf/NaN are refused first (`check_finite`: `samples` and `lengths` name them),
+    and so are finite states the store dtype cannot hold (float16 above 65504 stores inf): what
+    is checked is what is stored."""
     check_finite(aux, last, samples, lengths)
     dtype = STORE_DTYPES[store_dtype]
     if dtype != torch.float8_e4m3fn:
-        return {"aux_hidden_states": aux.to(dtype), "last_hidden_state": last.to(dtype)}
-    out = {}
-    for name, x in (("aux_hidden_states", aux), ("last_hidden_state", last)):
-        H = last.shape[-1]
-        rows = x.float().unflatten(-1, (-1, H))  # [..., L, H]
-        scale = (rows.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [..., L]
-        out[name] = (rows / scale[..., None]).to(torch.float8_e4m3fn).flatten(-2)  # [..., L*H]
-        out[SCALES[name]] = scale
+        out = {"aux_hidden_states": aux.to(dtype), "last_hidden_state": last.to(dtype)}
+    else:
+        out = {}
+        for name, x in (("aux_hidden_states", aux), ("last_hidden_state", last)):
+            H = last.shape[-1]
+            rows = x.float().unflatten(-1, (-1, H))  # [..., L, H]
+            scale = (rows.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [..., L]
+            out[name] = (rows / scale[..., None]).to(torch.float8_e4m3fn).flatten(-2)  # [..., L*H]
+            out[SCALES[name]] = scale
+    stored = [out["aux_hidden_states"], out["last_hidden_state"]]
+    if dtype == torch.float8_e4m3fn:
+        stored = [dequantize(out["aux_hidden_states"], out["aux_scales"], torch.float32),
+                  dequantize(out["last_hidden_state"], out["last_scales"], torch.float32)]
+    found = _first_bad(*stored, lengths)
+    if found is not None:
+        r, t, k = found
+        L = aux.shape[-1] // last.shape[-1]
+        state = "the last layer's state" if k == L else f"stored aux layer {k} of {L}"
+        at = (r, t) if last.dim() == 3 else (t,)
+        peak = float(torch.cat([aux[at], last[at]]).float().abs().max())
+        raise DataError(f"{_who(samples, r, last.dim() == 2)}: {state} at token {t} does not fit store_dtype="
+                        f"{store_dtype} (|x| up to {peak:.4g}, the dtype's largest is {torch.finfo(dtype).max:.4g}); "
+                        "nothing is stored: use store_dtype=bfloat16 (float32's range) or float8_e4m3 (scaled)")
     return out
 
 
