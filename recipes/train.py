@@ -266,6 +266,7 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
               "tokens": tokens,  # non-padding tokens of the samples trained on, all processes
               "seconds": time.perf_counter() - t0,
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # this process
+    _check_weights(accelerator, model, "the trained draft")
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards; every rank must call it
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model).draft
@@ -289,6 +290,7 @@ def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, 
     bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step",
                disable=not accelerator.is_local_main_process)
     t0, tokens = time.perf_counter(), 0
+    update_loss = torch.zeros((), device=accelerator.device)  # this update's micro-batch losses, summed
     while progress.step < total_steps:
         if online is not None:  # the epoch's plan: the samples this rank takes, from where a resumed run stands
             plan, start = epoch_plan(loader, progress.epoch, progress.micro_in_epoch)
@@ -304,7 +306,12 @@ def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, 
                 labels = algo.target_labels(target, batch, draft)  # no grad
                 with accelerator.autocast():
                     metrics = model(batch, labels)
-                accelerator.backward(metrics.loss)
+                metrics.loss = faults.maybe_nan(faults.TRAIN_NAN_LOSS_AT_STEP, progress.step + 1, metrics.loss)
+                update_loss = update_loss + metrics.loss.detach().float()
+                if accelerator.sync_gradients:  # the update's last micro-batch: checked before any weight moves
+                    _check_update_loss(accelerator, update_loss, progress.step + 1, out, cfg, bar)
+                    update_loss = torch.zeros((), device=accelerator.device)
+                accelerator.backward(metrics.loss)  # DeepSpeed steps its optimizer inside backward
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)  # DeepSpeed: its own
                 optimizer.step()
@@ -318,11 +325,6 @@ def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, 
             bar.update(1)
             if progress.step % cfg.log_every == 0 or progress.step == total_steps:
                 stats = window.reduce(accelerator)  # tokens: all processes, since the last log line
-                if not math.isfinite(stats["loss"]):  # every rank sees the same reduced loss, and stops
-                    bar.close()
-                    raise DraftsmithError(f"step {progress.step}: the loss is {stats['loss']}, not finite; the states "
-                                          "may hold inf/NaN (check the capture: `draftsmith inspect-capture "
-                                          f"{cfg.data}`) or the learning rate is too high")
                 tokens += stats.pop("tokens")
                 elapsed = time.perf_counter() - t0
                 stats.update(step=progress.step, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens / elapsed)
@@ -337,7 +339,7 @@ def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, 
                                 tok_s=f"{stats['tokens_per_s']:.0f}",
                                 **({"online": stats["online"]["bound"]} if online is not None else {}))
             if progress.step % cfg.save_every == 0:
-                save_checkpoint(accelerator, out, progress.step // cfg.save_every, cfg.keep_last)
+                save_checkpoint(accelerator, model, out, progress.step // cfg.save_every, cfg.keep_last)
             faults.maybe_die(faults.TRAIN_AFTER_STEPS, progress.step)  # tests: a kill between checkpoints
             if progress.step >= total_steps:
                 break
@@ -348,6 +350,33 @@ def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, 
     return history, tokens
 
 
+def _check_update_loss(accelerator, update_loss: torch.Tensor, step: int, out: Path, cfg: TrainConfig, bar) -> None:
+    """Stop before optimizer step `step` when its loss, summed over every rank (one scalar, so
+    every rank stops together), is not finite: the weights and every checkpoint stay finite."""
+    total = float(accelerator.reduce(update_loss, reduction="sum"))
+    if math.isfinite(total):
+        return
+    bar.close()
+    kept = complete_checkpoints(out)
+    where = (f"the newest checkpoint ({kept[-1].name}) holds finite weights: resume=latest with a lower "
+             "learning_rate" if kept else "no checkpoint was written yet: lower learning_rate and start again")
+    raise DraftsmithError(f"step {step}: the loss is {total}, not finite, so no weight was updated with it; the "
+                          f"states may hold inf/NaN (`draftsmith inspect-capture {cfg.data}`) or the learning rate "
+                          f"is too high; {where}")
+
+
+def _check_weights(accelerator, model, what: str) -> None:
+    """Refuse to write `what` from non-finite weights (each rank checks what it holds: a ZeRO
+    shard or the whole model; one flag across ranks, so every rank stops together)."""
+    bad = torch.zeros((), device=accelerator.device)
+    for p in model.parameters():
+        if p.numel() and not bool(torch.isfinite(p.detach()).all()):
+            bad += 1
+    if float(accelerator.reduce(bad, reduction="sum")):
+        raise DraftsmithError(f"the draft's weights hold inf/NaN, so {what} is not written (the earlier checkpoints "
+                              "are kept); resume=latest with a lower learning_rate")
+
+
 def complete_checkpoints(out: Path) -> list[Path]:
     """checkpoints/checkpoint_<k>, oldest first. Only complete ones carry that name: a
     checkpoint is written as .checkpoint_<k>.partial and renamed when every file is in."""
@@ -355,10 +384,12 @@ def complete_checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[11:]))
 
 
-def save_checkpoint(accelerator, out: Path, index: int, keep_last: int) -> None:
+def save_checkpoint(accelerator, model, out: Path, index: int, keep_last: int) -> None:
     """accelerate's save_state (model, optimizer, scheduler, RNG, loop position) into a staging
     folder, published as checkpoints/checkpoint_<index> by one rename once all ranks are done;
-    a kill at any moment leaves the newest complete checkpoint as `latest`. Keeps `keep_last`."""
+    a kill at any moment leaves the newest complete checkpoint as `latest`. Keeps `keep_last`, and
+    never writes non-finite weights (so `keep_last` never rotates the finite ones away)."""
+    _check_weights(accelerator, model, f"checkpoint_{index}")
     root = out / "checkpoints"
     staging, final = root / f".checkpoint_{index}.partial", root / f"checkpoint_{index}"
     if accelerator.is_main_process:

@@ -115,6 +115,30 @@ def test_killed_training_resumes_bit_identical(tmp_path, tiny_capture, tiny_targ
     assert all(torch.equal(wa[k], wb[k]) for k in wa), [k for k in wa if not torch.equal(wa[k], wb[k])]
 
 
+def test_a_non_finite_loss_stops_before_a_weight_or_a_checkpoint_takes_it(tmp_path, tiny_capture, tiny_target_dir,
+                                                                          monkeypatch):
+    """Checked at every optimizer update, not at log steps (issue 40): with a checkpoint every 5
+    steps, a log line every 10 and one checkpoint kept, a NaN loss at step 3 once wrote checkpoint_1
+    of NaN weights (keep_last rotated the finite ones away) and stopped only at step 10. Now the run
+    stops at the update whose loss is NaN, before the optimizer applies it: no checkpoint holds
+    non-finite weights, and resume=latest from the last finite one finishes the run."""
+    common = ["max_steps=12", "epochs=12", "log_every=10", "save_every=5", "keep_last=1"]
+    monkeypatch.setenv(faults.TRAIN_NAN_LOSS_AT_STEP, "3")
+    with pytest.raises(DraftsmithError, match=r"^step 3: the loss is nan.*no checkpoint was written yet"):
+        train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / "a", *common))
+    assert not (tmp_path / "a").exists()  # nothing to resume: nothing left behind
+    monkeypatch.setenv(faults.TRAIN_NAN_LOSS_AT_STEP, "7")
+    with pytest.raises(DraftsmithError, match=r"^step 7: .*\(checkpoint_1\) holds finite weights: resume=latest"):
+        train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / "b", *common))
+    kept = train.complete_checkpoints(tmp_path / "b")
+    assert [c.name for c in kept] == ["checkpoint_1"]
+    assert all(torch.isfinite(w).all() for w in load_file(kept[0] / "model.safetensors").values())
+    monkeypatch.delenv(faults.TRAIN_NAN_LOSS_AT_STEP)
+    r = train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / "b", *common, "resume=latest"))
+    assert r["steps"] == 12
+    assert all(torch.isfinite(w).all() for w in load_file(tmp_path / "b" / "model.safetensors").values())
+
+
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no"]
 # 4 optimizer updates of effective batch 8 (16 samples: 2 epochs), a warmup and a cosine decay,
