@@ -368,10 +368,8 @@ def _check_update_loss(accelerator, update_loss: torch.Tensor, step: int, out: P
 def _check_weights(accelerator, model, what: str) -> None:
     """Refuse to write `what` from non-finite weights (each rank checks what it holds: a ZeRO
     shard or the whole model; one flag across ranks, so every rank stops together)."""
-    bad = torch.zeros((), device=accelerator.device)
-    for p in model.parameters():
-        if p.numel() and not bool(torch.isfinite(p.detach()).all()):
-            bad += 1
+    flags = [~torch.isfinite(p.detach()).all() for p in model.parameters() if p.numel()]  # one read, not one a tensor
+    bad = torch.stack(flags).sum().float() if flags else torch.zeros((), device=accelerator.device)
     if float(accelerator.reduce(bad, reduction="sum")):
         raise DraftsmithError(f"the draft's weights hold inf/NaN, so {what} is not written (the earlier checkpoints "
                               "are kept); resume=latest with a lower learning_rate")
