@@ -119,6 +119,7 @@ def check_export(export_dir: str | Path, allow_extra: bool = False) -> tuple[dic
                               "upload them too")
     if "README.md" in by_path:
         raise DraftsmithError(f"'{root}/README.md' exists; the model card is generated, remove it")
+    formats.check_export_weights(root)  # a sha256 vouches for the file, not that it holds numbers
     return manifest, sorted(files, key=lambda f: f.path)
 
 
@@ -132,19 +133,36 @@ def _reports(root: Path) -> list[dict]:
 
 
 COMPARE_PLOT = "compare/compare.png"  # where the comparison's plot goes in the repo
+COMPARE_SIGNED = ("report.json", "compare.png")  # their sha256 in the comparison's provenance.json (compare.py)
 
 
 def compared(manifest: dict, compare_dir: str | Path) -> tuple[dict, dict]:
     """The `draftsmith compare` report at compare_dir and this export's candidate in it (matched
     by its weights' sha256, so a report of another export, or of these weights before a re-export,
     is refused in one line)."""
-    path = Path(compare_dir).expanduser() / "report.json"
+    folder = Path(compare_dir).expanduser()
+    path = folder / "report.json"
+    if not path.is_file():
+        raise DraftsmithError(f"--compare {compare_dir}: no `draftsmith compare` report there ({path}); run "
+                              "`draftsmith compare --drafts EXPORT --output-dir DIR` and pass that DIR")
+    try:
+        signed = json.loads((folder / "provenance.json").read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        signed = None
+    if not isinstance(signed, dict) or not all(isinstance(signed.get(n), str) for n in COMPARE_SIGNED):
+        raise DraftsmithError(f"--compare {compare_dir}: its provenance.json records no sha256 of "
+                              f"{' and '.join(COMPARE_SIGNED)} (an older or hand-made comparison); run `draftsmith "
+                              "compare` again and pass its folder")
+    for name in COMPARE_SIGNED:
+        if not (folder / name).is_file() or sha256_file(folder / name) != signed[name]:
+            raise DraftsmithError(f"--compare {compare_dir}: {name} does not match the sha256 `draftsmith compare` "
+                                  "recorded for it (changed after it was measured?); run `draftsmith compare` again")
     try:
         report = json.loads(path.read_text())
         candidates = report["candidates"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise DraftsmithError(f"--compare {compare_dir}: no `draftsmith compare` report there ({path}); run "
-                              "`draftsmith compare --drafts EXPORT --output-dir DIR` and pass that DIR") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise DraftsmithError(f"--compare {compare_dir}: {path} is not a readable `draftsmith compare` report "
+                              f"({type(err).__name__}: {err}); run `draftsmith compare` again") from None
     sha = manifest["files"][formats.WEIGHTS]["sha256"]
     mine = next((c for c in candidates if c.get("weights_sha256") == sha), None)
     if mine is None:

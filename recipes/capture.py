@@ -47,7 +47,17 @@ from trainer.data.vocab import token_counts
 from trainer.dist import process_state
 from trainer.drafts.registry import VLLM_METHOD, get
 from trainer.errors import DataError, DraftsmithError
-from trainer.io import atomic_write_json, claim_output, ensure_dir, guard_output, sha256_file, write_run_files
+from trainer.io import (
+    atomic_write_json,
+    claim_output,
+    disk_free,
+    ensure_dir,
+    guard_output,
+    human_bytes,
+    sha256_file,
+    write_run_files,
+)
+from trainer.io import check_space as io_check_space
 from trainer.target import (
     TargetSource,
     cache_root,
@@ -279,27 +289,9 @@ def vocab_bytes(vocab_size: int) -> int:
     return vocab_size * 17 + (1 << 16)
 
 
-def disk_free(path: Path) -> int:
-    p = Path(path).resolve()
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
 def check_space(out: Path, need: float) -> None:
-    free = disk_free(out)
-    if need > free:
-        raise DataError(f"capture into '{out}' needs {human_bytes(need)}, but its filesystem has "
-                        f"{human_bytes(free)} free; free space, capture fewer samples (max_samples), store "
-                        "float8_e4m3 (half of bfloat16), or choose another output_dir")
-
-
-def human_bytes(n: float) -> str:
-    """1.50 GiB, 12.3 MiB, 64.0 KiB, 512 B: never '0.00 GiB' for what is small but not nothing."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
+    io_check_space(out, need, f"capture into '{out}'", "capture fewer samples (max_samples), store float8_e4m3 "
+                   "(half of bfloat16), or choose another output_dir")
 
 
 SPEED = "capture_speed.json"  # in the cache: the last measured tokens/s per target, engine and dtype

@@ -36,6 +36,7 @@ import platform
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,12 +44,23 @@ import torch
 from matplotlib.figure import Figure
 
 from export import formats
+from export.hub import COMPARE_SIGNED
 from recipes._common import load_proposer, one_line_errors, parse_flags, prompt_ids, target_for
 from trainer.config import CompareConfig, to_yaml
 from trainer.data.chat import read_template, template_file
 from trainer.data.evalsets import dataset_file, load_prompts
 from trainer.errors import DraftsmithError
-from trainer.io import atomic_write_json, ensure_dir, guard_output, write_run_files
+from trainer.io import (
+    atomic_write_json,
+    cache_root,
+    check_space,
+    ensure_dir,
+    fresh_output_dir,
+    guard_output,
+    publish_dir,
+    sha256_file,
+    write_run_files,
+)
 from trainer.speculative import DecodeStats, NGramDraft, TargetSession, generate
 from trainer.target import load_target, resolve_target
 from trainer.vllm import checks
@@ -80,7 +92,15 @@ def run(cfg: CompareConfig, argv=None) -> dict:
         require_vllm_python("compare (it serves every candidate in vLLM; --no-vllm predicts from in-tree costs alone)")
     guard_output(cfg.output_dir, [*cfg.drafts, dataset_file(cfg.dataset), template_file(cfg.chat_template),
                                   source.path], "compare", overwrite=cfg.overwrite)
-    out = Path(cfg.output_dir)
+    seen = [str(Path(d).expanduser().resolve()) for d in cfg.drafts]
+    twice = next((d for i, d in enumerate(cfg.drafts) if seen[i] in seen[:i]), None)
+    if twice is not None:
+        raise DraftsmithError(f"compare --drafts names '{twice}' twice; name each export once")
+    out = Path(cfg.output_dir).expanduser()
+    if out.exists() and not cfg.overwrite:
+        raise DraftsmithError(f"compare --output-dir '{out}' exists; pass overwrite=true to replace it whole, or "
+                              "choose another folder")
+    check_space(out.parent if not out.exists() else out, REPORT_BYTES, "compare's report")
     # produce: the candidates, their acceptance at every N, the costs, the model, the recommendation
     target = load_target(source)
     candidates = make_candidates(cfg, target)
@@ -104,23 +124,34 @@ def run(cfg: CompareConfig, argv=None) -> dict:
     if cfg.vllm:
         report.update(costs_measured_in=f"vLLM (every candidate served at every N and concurrency, the target in "
                                         f"{serving_dtype(cfg, candidates)})",
-                      **served_in_vllm(target, candidates, prompts, cfg, out))
+                      **served_in_vllm(target, candidates, prompts, cfg))
     else:
         report.update(costs_measured_in="the in-tree decoder (--no-vllm: nothing served; vLLM's own step times "
                                         "differ, see the README)", **in_tree_costs(target, candidates, prompts, cfg))
     report["candidates"] = [{k: v for k, v in c.items() if k != "proposer"} for c in candidates]
     report["recommendations"] = recommendations = recommend(report["predictions"], candidates, cfg.concurrency)
     report["dynamic_configs"] = dynamic_configs(cfg.concurrency, candidates, report["predictions"])
-    # publish: the report, the plot, a serving config per concurrency, the run files
-    ensure_dir(out, "output_dir")
-    atomic_write_json(out / "report.json", report)
-    for b, r in recommendations.items():
-        atomic_write_json(out / f"serve-c{b}.json", {"concurrency": b, "speculative_config": r["best"]["config"]})
-    atomic_write_json(out / "serve-dynamic.json", report["dynamic_configs"])
-    plot(report, out / "compare.png")
-    write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash},
-                    argv, stage="compare")
+    # publish: the report, the plot, a serving config per concurrency, the run files, built in a
+    # sibling folder that replaces the output whole (no file of an earlier comparison stays beside
+    # this report); the report's and the plot's sha256 in provenance.json (upload --compare checks them)
+    stage = fresh_output_dir(out, overwrite=True, what="compare --output-dir")
+    try:
+        atomic_write_json(stage / "report.json", report)
+        for b, r in recommendations.items():
+            atomic_write_json(stage / f"serve-c{b}.json", {"concurrency": b, "speculative_config": r["best"]["config"]})
+        atomic_write_json(stage / "serve-dynamic.json", report["dynamic_configs"])
+        plot(report, stage / "compare.png")
+        write_run_files(stage, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
+                                              "sha256": {n: sha256_file(stage / n) for n in COMPARE_SIGNED}},
+                        argv, stage="compare")
+        publish_dir(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
     return report
+
+
+REPORT_BYTES = 16 << 20  # report.json, compare.png and the serving configs: well under this
 
 
 def make_candidates(cfg: CompareConfig, target) -> list[dict]:
@@ -225,7 +256,7 @@ def in_tree_costs(target, candidates, prompts, cfg) -> dict:
     return {"verify_s": verify_s, "predictions": rows}
 
 
-def served_in_vllm(target, candidates, prompts, cfg, out: Path) -> dict:
+def served_in_vllm(target, candidates, prompts, cfg) -> dict:
     """Every candidate and no speculation served in vLLM (greedy, fp32) on the prompts at every N
     and concurrency b, as a client keeping b requests in flight (trainer/vllm/runners/vllm_generate.py,
     a sweep: one engine per draft, N set through vLLM's dynamic speculative decoding), each engine
@@ -234,8 +265,7 @@ def served_in_vllm(target, candidates, prompts, cfg, out: Path) -> dict:
     through those costs (`simulate`). Measured beside it: the served output tokens/s, whether
     vLLM's counts equal the in-tree decoder's, and whether its outputs equal its plain decoding's."""
     dtype = serving_dtype(cfg, candidates)
-    work = out.parent / f".{out.name}.vllm"
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="compare-", dir=ensure_dir(cache_root() / "work", "draftsmith's cache")))
     top = max(cfg.concurrency)
     jobs = [{"target": target.hf_dir, "prompts": prompts, "out": str(work / "none.json"), "max_num_seqs": top,
              "max_new_tokens": cfg.max_new_tokens, "sweep": {"ns": [0], "concurrency": cfg.concurrency},
@@ -249,8 +279,14 @@ def served_in_vllm(target, candidates, prompts, cfg, out: Path) -> dict:
             job.update(draft=c["config"]["model"], method=c["method"])
         jobs.append(job)
     print(f"compare: serving {len(jobs)} engines in vLLM (every N, concurrency {cfg.concurrency})", file=sys.stderr)
-    results = checks.run_vllm_jobs(jobs, timeout=900 * len(jobs))
-    shutil.rmtree(work)  # kept, with the runner's log, only when vLLM fails
+    try:
+        results = checks.run_vllm_jobs(jobs, timeout=900 * len(jobs))
+    except BaseException:  # of the work folder (in draftsmith's cache) only the runner's log stays: the error names it
+        for f in work.iterdir():
+            if f.suffix != ".log":
+                f.unlink()
+        raise
+    shutil.rmtree(work)
     plain = results[0]["sweep"]
     lengths = [len(p) for p in prompts]
     rows, served = [], {}

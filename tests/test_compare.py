@@ -137,6 +137,50 @@ def test_upload_puts_the_comparison_in_the_card(exports, tmp_path):
         hub.plan_upload(export, "me/tiny-eagle3", base_model="someone/tiny", compare_dir=tmp_path / "other" / "cmp")
 
 
+def test_a_comparison_is_replaced_whole_and_a_changed_one_never_reaches_a_card(exports, tmp_path, capsys):
+    """Outputs of another run are not trusted (issue 40): a rerun into its own folder leaves no file
+    of the earlier one (serve-c4.json of a load it no longer measured); a report or plot changed
+    after compare wrote it (tokens/s x 10 by hand) is refused by upload --compare, a corrupt one is
+    called corrupt, not missing; the same export named twice is refused; compare's vLLM work folder
+    never sits beside its output."""
+    from export import hub
+    from recipes import eval as eval_recipe
+    from tests.test_bad_input import one_line_error
+    from trainer.errors import DraftsmithError
+
+    export = tmp_path / "export"
+    shutil.copytree(exports["trained"], export)
+    eval_recipe.run(eval_recipe.EvalConfig(draft=str(export), dataset=exports["prompts"], num_prompts=2,
+                                           max_new_tokens=8, output_dir=str(export / "eval")))
+    _compare(exports, tmp_path, export, extra=["vllm=false", "ngram=false"])
+    assert (tmp_path / "cmp" / "serve-c4.json").is_file()
+    compare.main(["--drafts", str(export), "--dataset", exports["prompts"], "--num-prompts", "4", "--max-new-tokens",
+                  "8", "--concurrency", "1", "--output-dir", str(tmp_path / "cmp"), "--no-vllm", "--no-ngram"])
+    assert sorted(p.name for p in (tmp_path / "cmp").iterdir()) == [
+        "command.txt", "compare.png", "config.yaml", "provenance.json", "report.json", "serve-c1.json",
+        "serve-dynamic.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp", "export"]  # no work or staging folder beside it
+    plan = hub.plan_upload(export, "me/tiny-eagle3", base_model="someone/tiny", compare_dir=tmp_path / "cmp")
+    assert "## Served speed" in plan.card
+    report = tmp_path / "cmp" / "report.json"
+    honest = report.read_text()
+    edited = json.loads(honest)
+    for p in edited["predictions"]:
+        p["tokens_per_s"] *= 10
+    report.write_text(json.dumps(edited))
+    with pytest.raises(DraftsmithError, match="report.json does not match the sha256 `draftsmith compare` recorded"):
+        hub.plan_upload(export, "me/tiny-eagle3", base_model="someone/tiny", compare_dir=tmp_path / "cmp")
+    report.write_text(honest[:100])
+    with pytest.raises(DraftsmithError, match="report.json does not match"):
+        hub.plan_upload(export, "me/tiny-eagle3", base_model="someone/tiny", compare_dir=tmp_path / "cmp")
+    report.unlink()
+    with pytest.raises(DraftsmithError, match="no `draftsmith compare` report there"):
+        hub.plan_upload(export, "me/tiny-eagle3", base_model="someone/tiny", compare_dir=tmp_path / "cmp")
+    one_line_error(capsys, compare.main, ["--drafts", str(export), str(tmp_path / "export" / "."), "--output-dir",
+                                          str(tmp_path / "twice"), "--no-vllm"], "names", "twice")
+    assert not (tmp_path / "twice").exists()
+
+
 def test_every_candidate_is_served_over_one_target_dtype():
     """No speculation and every draft are served over the target in one dtype (a speedup is one
     over the same target): bfloat16 where an FP8 export is compared (vLLM's Quark loader needs it),

@@ -471,3 +471,17 @@ def test_a_vllm_python_that_is_not_there_is_one_line(own, tiny_target_dir, tmp_p
     _unchanged(lambda: one_line_error(capsys, prepare.main, argv, "DRAFTSMITH_VLLM_PYTHON", str(missing)),
                own["src_dir"])
     assert not (tmp_path / "p").exists()
+
+
+def test_a_python_without_vllm_is_one_line_before_any_work(trained_and_export, tmp_path, monkeypatch, capsys):
+    """compare with a vLLM python that has no vLLM (here: draftsmith's own) printed the runner's whole
+    traceback, and only after the in-tree measurement: now one line before any work, naming it."""
+    import sys
+
+    from recipes import compare
+
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", sys.executable)
+    _unchanged(lambda: one_line_error(capsys, compare.main, ["--drafts", str(trained_and_export[1]),
+                                                             "--output-dir", str(tmp_path / "cmp")],
+                                      sys.executable, "cannot import it"), trained_and_export[1])
+    assert not (tmp_path / "cmp").exists()

@@ -185,6 +185,31 @@ def publish_dir(tmp: Path, path: str | Path) -> None:
         os.rename(tmp, path)
 
 
+def disk_free(path: str | Path) -> int:
+    """Free bytes on the filesystem `path` is (or would be) on: its nearest existing folder's."""
+    p = Path(path).expanduser().resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def human_bytes(n: float) -> str:
+    """1.50 GiB, 12.3 MiB, 64.0 KiB, 512 B: never '0.00 GiB' for what is small but not nothing."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def check_space(path: str | Path, need: float, what: str, advice: str = "choose another output_dir") -> None:
+    """Refuse, before the work, to write `need` bytes where fewer are free: one line naming what
+    would be written, both sizes and what to do."""
+    free = disk_free(path)
+    if need > free:
+        raise DraftsmithError(f"{what} needs {human_bytes(need)}, but the filesystem of '{path}' has "
+                              f"{human_bytes(free)} free; free space, or {advice}")
+
+
 def git_commit() -> str | None:
     here = Path(__file__).resolve().parent.parent
     try:

