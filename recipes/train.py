@@ -17,6 +17,7 @@ stepped once per update, whatever the number of processes).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import resource
@@ -46,7 +47,7 @@ from trainer.drafts.registry import VLLM_METHOD, TrainStep, build, get
 from trainer.drafts.shape import DEFAULT_DRAFT_VOCAB_SIZE
 from trainer.errors import DraftsmithError
 from trainer.families import served_max_model_len
-from trainer.io import atomic_write_json, claim_output, ensure_dir, guard_output, write_run_files
+from trainer.io import atomic_write_json, claim_output, ensure_dir, guard_output, sha256_file, write_run_files
 from trainer.metrics import simulated_tau
 from trainer.online.run import open_online
 from trainer.online.sources import StreamedSamples, epoch_plan
@@ -185,6 +186,9 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
         raise DraftsmithError(f"output_dir '{out}' exists; pass resume=latest to continue or overwrite=true")
     if cfg.resume is not None and not out.is_dir():
         raise DraftsmithError(f"resume={cfg.resume} but output_dir '{out}' does not exist; drop resume to start fresh")
+    data = trained_on(cfg.data)
+    if cfg.resume is not None:
+        check_resumed_data(out, cfg.resume, data)
     servable_warnings = check_servable(source, [VLLM_METHOD[cfg.algorithm]], cfg.require_servable, "train")
     created = not out.exists() or (cfg.overwrite and cfg.resume is None)
     accelerator = make_accelerator(cfg, out)
@@ -195,6 +199,8 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
             shutil.rmtree(out)
         ensure_dir(out, "output_dir")
         claim_output(out, "train")  # overwrite=true may replace what a killed run leaves
+        if cfg.resume is None:  # what its checkpoints are trained on: a resumed run must train on the same
+            atomic_write_json(ensure_dir(out / "checkpoints") / TRAINED_ON, data)
     accelerator.wait_for_everyone()
     # produce (the loop) and publish (the trained draft folder)
     try:
@@ -203,6 +209,31 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
         if created and accelerator.is_main_process and not complete_checkpoints(out):
             shutil.rmtree(out, ignore_errors=True)  # a failed run leaves no folder behind (checkpoints stay)
         raise
+
+
+TRAINED_ON = "data.json"  # in checkpoints/: the data the run's checkpoints were trained on
+
+
+def trained_on(data: str) -> dict:
+    """The data a run trains on: its folder and the sha256 of the file that describes it whole (a
+    capture's manifest.json, a prepared folder's summary.json, each holding its data's digests)."""
+    folder = Path(data).expanduser()
+    described = next((folder / n for n in ("manifest.json", "summary.json") if (folder / n).is_file()), None)
+    return {"data": str(folder.resolve()), "sha256": sha256_file(described) if described else None}
+
+
+def check_resumed_data(out: Path, resume: str, data: dict) -> None:
+    """A resumed run trains on the data its checkpoints were trained on, or is refused in one line
+    (resumed on other data, the draft would name only the new data)."""
+    record = (out / "checkpoints" if resume == "latest" else Path(resume).parent) / TRAINED_ON
+    try:
+        before = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return  # a run from before the record was kept
+    if before.get("sha256") != data["sha256"]:
+        raise DraftsmithError(f"resume={resume}: the checkpoints in '{record.parent}' were trained on "
+                              f"data={before.get('data')}, not data={data['data']} (another capture or prepared "
+                              "folder); pass that data= to continue the run, or start a new output_dir")
 
 
 def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:

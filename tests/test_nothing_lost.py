@@ -263,6 +263,46 @@ def test_overwrite_replaces_what_a_killed_run_of_the_same_stage_left(own, tiny_t
                                                              "overwrite=true"], "was not written by draftsmith"), users)
 
 
+def test_a_run_still_writing_is_never_replaced_and_a_resume_trains_on_its_own_data(own, tiny_target_dir, tmp_path,
+                                                                                   capsys):
+    """overwrite=true deleted the folder of a run still writing there, and both exited 0 claiming it:
+    a live writer's mark (host, pid, its start) now refuses any other run there in one line, and
+    its folder is untouched. resume=latest with another data= trained silently and the draft named
+    only the new data: refused in one line naming both."""
+    import sys
+    import time
+
+    from trainer.io import STAGE_FILE
+
+    out = tmp_path / "running"
+    argv = ["--config", str(TINY_EAGLE3), f"data={own['capture']}", f"target={tiny_target_dir}",
+            "max_steps=100000", "epochs=100000", "save_every=2", "keep_last=1"]
+    writer = subprocess.Popen([sys.executable, str(REPO / "recipes" / "train.py"), *argv, f"output_dir={out}"],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not list((out / "checkpoints").glob("checkpoint_*")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        mark = json.loads((out / STAGE_FILE).read_text())
+        assert mark["pid"] == writer.pid and mark["stage"] == "train"
+        for extra in (["overwrite=true"], ["resume=latest"]):
+            err = one_line_error(capsys, train.main, [*argv, f"output_dir={out}", *extra],
+                                 f"'{out}' is being written by a running draftsmith train (pid {writer.pid})")
+            assert "wait for it to end" in err
+        assert writer.poll() is None and (out / "checkpoints").is_dir()
+    finally:
+        writer.kill()
+        writer.wait()
+    other = tmp_path / "other-capture"  # the same prepared data, captured as another capture (fewer samples)
+    capture.main([f"data={own['prepared']}", f"output_dir={other}", f"target={tiny_target_dir}", "max_samples=8",
+                  "samples_per_shard=8", "draft_vocab_size=64", "store_dtype=float32"])
+    resumed = [*argv[:3], f"data={other}", *argv[4:], f"output_dir={out}", "resume=latest", "max_steps=8"]
+    _unchanged(lambda: one_line_error(capsys, train.main, resumed, "resume=latest", f"data={own['capture']}",
+                                      f"not data={other}"), out)
+    train.main([*argv[:4], *argv[4:], f"output_dir={out}", "resume=latest", "max_steps=8"])  # its own data: resumes
+
+
 def test_the_gates_files_and_the_demos_inputs_are_inputs_too(own, tiny_target_dir, trained_and_export, tmp_path,
                                                              capsys):
     """Inputs a stage reads besides its main one: the FP8 gate's prompt file and template, the

@@ -93,11 +93,52 @@ STAGE_MARKERS = {"prepare": ("summary.json",), "capture": ("capture_state.json",
 STAGE_FILE = ".draftsmith-stage"  # written when a long stage starts writing into its folder
 
 
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (Linux: /proc/PID/stat's starttime, in clock ticks since boot), so
+    that a pid the system reused is not taken for the run that wrote a mark; None where unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def claim_output(folder: Path, stage: str) -> None:
     """Mark `folder` as `stage`'s output when the stage starts writing into it (capture, train:
     they write in place and can be killed before provenance.json exists), so that overwrite=true
-    may replace the folder a killed run left."""
-    atomic_write_text(Path(folder) / STAGE_FILE, stage + "\n")
+    may replace the folder a killed run left, and with the writing process (host, pid and its
+    start), so that no other run replaces or writes into it while that process lives."""
+    atomic_write_json(Path(folder) / STAGE_FILE, {"stage": stage, "host": platform.node(), "pid": os.getpid(),
+                                                  "pid_start": _process_start(os.getpid())})
+
+
+def _mark(folder: Path) -> dict:
+    """The mark claim_output left: {"stage", "host", "pid", "pid_start"} (an older mark: the stage alone)."""
+    try:
+        text = (Path(folder) / STAGE_FILE).read_text()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    try:
+        mark = json.loads(text)
+    except ValueError:
+        return {"stage": text.strip() or None}
+    return mark if isinstance(mark, dict) else {}
+
+
+def writer_alive(folder: Path) -> int | None:
+    """The pid of another process on this host still writing into `folder` (its mark names it and it
+    runs, started when the mark says), else None."""
+    mark = _mark(folder)
+    pid = mark.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid() or mark.get("host") != platform.node():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # another user's process: it lives
+        pass
+    start = _process_start(pid)
+    return pid if start is None or mark.get("pid_start") in (None, start) else None
 
 
 def stage_of(folder: Path) -> str | None:
@@ -109,10 +150,7 @@ def stage_of(folder: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         stage = None
     if not stage:
-        try:
-            stage = (folder / STAGE_FILE).read_text().strip() or None
-        except (OSError, UnicodeDecodeError):
-            stage = None
+        stage = _mark(folder).get("stage")
     if stage:
         return stage
     for name, files in STAGE_MARKERS.items():
@@ -146,6 +184,11 @@ def guard_output(out: str | Path, inputs, stage: str, overwrite: bool, allow_ins
             raise DraftsmithError(f"{stage}: output_dir '{out}' {how} an input of this run ('{given}'); writing there "
                                   "could destroy it: choose another output_dir")
     if out.is_dir() and any(out.iterdir()):
+        running = writer_alive(out) if os.environ.get("RANK", "0") == "0" else None  # ranks > 0: their rank 0's mark
+        if running is not None:
+            raise DraftsmithError(f"{stage}: output_dir '{out}' is being written by a running draftsmith "
+                                  f"{_mark(out).get('stage')} (pid {running}); wait for it to end, or choose another "
+                                  "output_dir")
         wrote = stage_of(out)
         if overwrite and wrote != stage:
             raise DraftsmithError(f"{stage}: output_dir '{out}' exists and was not written by draftsmith {stage}"
