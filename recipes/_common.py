@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import functools
 import json
 import sys
@@ -13,6 +14,8 @@ import typing
 from pathlib import Path
 
 from omegaconf import MISSING
+from tqdm import tqdm as std_tqdm
+from tqdm.auto import tqdm
 
 from export import formats
 from trainer.config import NGRAM_DRAFT_TOKENS, load_config
@@ -85,17 +88,40 @@ def parse_flags(schema, argv: list[str], description: str, flags: dict[str, tupl
 
 
 def one_line_errors(fn):
-    """Run `fn`; a DraftsmithError becomes `error: <message>` on stderr and exit status 2."""
+    """Run `fn`; a DraftsmithError becomes `error: <message>` on stderr and exit status 2, and so
+    does a full disk (whatever wrote to it); Ctrl-C is one line too (exit 130). Each is the last
+    line printed: a progress bar is ended first."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except DraftsmithError as err:
-            print(f"error: {err}", file=sys.stderr)
+            _last_line(f"error: {err}")
+            raise SystemExit(2) from None
+        except KeyboardInterrupt:
+            _last_line("error: interrupted; nothing half-written was published (a training run continues from its "
+                       "last checkpoint with resume=latest, a capture from its last shard with the same command)")
+            raise SystemExit(130) from None
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            _last_line(f"error: no space left on the device writing '{err.filename or 'an output'}'; nothing "
+                       "half-written was published and what was finished is kept (checkpoints, complete shards): "
+                       "free space and run the same command again (resume=latest continues a training run)")
             raise SystemExit(2) from None
 
     return wrapper
+
+
+def _last_line(text: str) -> None:
+    """`text` on stderr on a line of its own, below any progress bar (tqdm's are closed first)."""
+    for cls in (std_tqdm, tqdm):
+        for bar in list(getattr(cls, "_instances", ())):
+            bar.close()
+    sys.stderr.flush()
+    sys.stdout.flush()
+    print(text, file=sys.stderr, flush=True)
 
 
 def load_proposer(path: str, target, draft_sampling: str = "greedy", seed: int = 0, **options):

@@ -47,7 +47,15 @@ from trainer.drafts.registry import VLLM_METHOD, TrainStep, build, get
 from trainer.drafts.shape import DEFAULT_DRAFT_VOCAB_SIZE
 from trainer.errors import DraftsmithError
 from trainer.families import served_max_model_len
-from trainer.io import atomic_write_json, claim_output, ensure_dir, guard_output, sha256_file, write_run_files
+from trainer.io import (
+    atomic_write_json,
+    check_space,
+    claim_output,
+    ensure_dir,
+    guard_output,
+    sha256_file,
+    write_run_files,
+)
 from trainer.metrics import simulated_tau
 from trainer.online.run import open_online
 from trainer.online.sources import StreamedSamples, epoch_plan
@@ -271,6 +279,9 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
     loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate, generator=generator)
     updates_per_epoch = math.ceil(len(loader) / accelerator.num_processes / cfg.gradient_accumulation_steps)
     total_steps = min(cfg.max_steps or 10**12, cfg.epochs * updates_per_epoch)
+    check_space(out, bytes_written(draft, total_steps // cfg.save_every, cfg.keep_last),
+                f"train into '{out}' (the trained draft and its checkpoints)",
+                "keep fewer checkpoints (keep_last), save less often (save_every), or choose another output_dir")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, min(cfg.warmup_steps, total_steps), total_steps)
@@ -379,6 +390,16 @@ def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, 
             progress.micro_in_epoch = 0
     bar.close()
     return history, tokens
+
+
+def bytes_written(draft, saves: int, keep_last: int) -> int:
+    """What a run writes at most: the trained draft (its state, as saved) and, when it saves any,
+    keep_last + 1 checkpoints at once (the new one is complete before the oldest goes), each the
+    model's state and AdamW's two moments per trainable weight (accelerate's save_state; the
+    scheduler, RNG and loop position are small)."""
+    state = sum(t.numel() * t.element_size() for t in draft.state_dict().values())
+    moments = 2 * sum(p.numel() * 4 for p in draft.parameters() if p.requires_grad)  # float32 exp_avg, exp_avg_sq
+    return state + min(saves, keep_last + 1) * (state + moments) + (1 << 20)
 
 
 def _check_update_loss(accelerator, update_loss: torch.Tensor, step: int, out: Path, cfg: TrainConfig, bar) -> None:

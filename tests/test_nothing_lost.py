@@ -525,3 +525,41 @@ def test_a_python_without_vllm_is_one_line_before_any_work(trained_and_export, t
                                                              "--output-dir", str(tmp_path / "cmp")],
                                       sys.executable, "cannot import it"), trained_and_export[1])
     assert not (tmp_path / "cmp").exists()
+
+
+def test_a_full_disk_is_found_before_training_and_is_one_line_anywhere(own, tiny_target_dir, tmp_path, capsys):
+    """Online training on a disk too small for the draft trained, then failed at save with an
+    OSError traceback and removed the folder: train now counts what it will write (the draft and
+    keep_last + 1 checkpoints) against what is free before any step; and a full disk met anywhere
+    else, or Ctrl-C, is one line (the last one printed), never a traceback."""
+    import errno
+
+    from recipes._common import one_line_errors
+    from tqdm.auto import tqdm
+
+    small = tmp_path / "small"
+    small.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], capture_output=True)
+    if r.returncode != 0:
+        skip_unless_ci(f"cannot mount a small filesystem here: {r.stderr.decode().strip()}")
+    try:
+        one_line_error(capsys, train.main, ["--config", str(TINY_EAGLE3), f"data={own['capture']}",
+                                            f"target={tiny_target_dir}", f"output_dir={small / 'd'}", "max_steps=4",
+                                            "save_every=2"], "(the trained draft and its checkpoints) needs",
+                       "KiB free", "keep_last")
+        assert not (small / "d").exists()
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+    def writes(exc):
+        bar = tqdm(total=10, desc="work")
+        bar.update(3)
+        raise exc
+
+    one_line_error(capsys, one_line_errors(writes), OSError(errno.ENOSPC, "No space left on device", "/x/y.bin"),
+                   "no space left on the device writing '/x/y.bin'", "run the same command again")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        one_line_errors(writes)(KeyboardInterrupt())
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "Traceback" not in err and err.splitlines()[-1].startswith("error: interrupted")
