@@ -3,7 +3,7 @@
     draftsmith prepare --config recipes/configs/smollm2-135m/prepare.yaml [key=value ...]
     draftsmith capture --config recipes/configs/smollm2-135m/capture.yaml [key=value ...]
     draftsmith eval    --draft ngram --dataset gsm8k --num-draft-tokens 4 [--temperature T] [key=value ...]
-    draftsmith compare --drafts runs/demo/export-bf16 runs/demo/export-fp8 --concurrency 1,4,16 [--check-vllm]
+    draftsmith compare --drafts runs/demo/export-bf16 runs/demo/export-fp8 --concurrency 1,4,16 [--no-vllm]
     draftsmith export  --draft runs/demo/eagle3 --output-dir runs/demo/export-fp8 [--quantize fp8] [--overwrite]
     draftsmith upload  runs/demo/export-fp8 --repo me/name --dry-run   (then without --dry-run)
     draftsmith demo    [key=value ...]

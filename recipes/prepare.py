@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections import Counter
 
 import torch
 import transformers
@@ -56,7 +57,7 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
         chats.skipped += [(i, reason) for i, reason, _ in late]
         if len(ds) == 0:
             raise DataError(f"no usable conversations in {cfg.source!r} "
-                            f"(skipped: {count_reasons(r for _, r in chats.skipped)}); check the source format")
+                            f"(skipped: {count_reasons(r for _, r in chats.skipped)}); {nothing_left_advice(chats)}")
         # publish: the data and its summary, then the folder in one rename
         summary = write_prepared(staging, ds, chats, source=cfg.source, max_length=cfg.max_length,
                                  regenerated=regenerated, records=records, target=target, target_sha256=digest,
@@ -68,6 +69,24 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return summary
+
+
+# what to do when every conversation was skipped for one of these (the most frequent reason decides)
+ADVICE = {"too_long": "raise max_length, or use shorter conversations",
+          "regenerate_prompt_too_long": "raise regenerate.max_model_len (the prompts leave no room for an answer)",
+          "regenerate_answer_truncated": "raise regenerate.max_new_tokens, or keep cut answers "
+                                         "(regenerate.truncated=keep)",
+          "regenerate_empty_answer": "check the target's chat template and generation settings (its answers are "
+                                     "empty)",
+          "duplicate": "every conversation repeats an earlier one: add other sources"}
+
+
+def nothing_left_advice(chats: Chats) -> str:
+    """What to change when prepare kept nothing: said by the most frequent reason it skipped one
+    (a setting, when a setting skipped them; the source's format otherwise)."""
+    reasons = Counter(r for _, r in chats.skipped)
+    top = reasons.most_common(1)[0][0] if reasons else None
+    return ADVICE.get(top, "check the source format")
 
 
 def regenerate_chats(cfg: PrepareConfig, chats: Chats, tokenizer, template: str, target: TargetSource,

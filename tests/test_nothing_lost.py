@@ -140,6 +140,8 @@ def test_nan_and_inf_settings_are_refused_by_name(tiny_capture, tiny_target_dir,
 def test_eval_settings_and_files_are_one_line(tiny_target_dir, tmp_path, capsys):
     t = ["--target", str(tiny_target_dir), "--num-prompts", "1", "--output-dir", str(tmp_path / "ev")]
     one_line_error(capsys, eval_recipe.main, [*t, "--temperature", ".nan"], "temperature=nan is not a finite number")
+    one_line_error(capsys, eval_recipe.main, [*t, "--chat-template", "x.jinja", "--no-chat-template"],
+                   "chat_template=x.jinja and no_chat_template=true", "drop one")  # silently plain text before
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"prompt": "fine"}\n{"prompt": broken\n')
     _unchanged(lambda: one_line_error(capsys, eval_recipe.main, [*t, "--dataset", f"jsonl:{bad_json}"],
@@ -469,7 +471,8 @@ def test_regeneration_that_leaves_no_conversation_is_one_line(own, tiny_target_d
                                                              f"source={own['src']}", "regenerate.enabled=true",
                                                              "regenerate.max_new_tokens=1",
                                                              "regenerate.truncated=drop"],
-                                      "no usable conversations"), own["src_dir"])
+                                      "no usable conversations", "raise regenerate.max_new_tokens",
+                                      "regenerate.truncated=keep"), own["src_dir"])
     assert not out.exists()
 
 

@@ -52,6 +52,9 @@ class EvalConfig:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
         check_draft_sampling(self.draft_sampling)
+        if self.no_chat_template and self.chat_template is not None:
+            raise ConfigError(f"chat_template={self.chat_template} and no_chat_template=true ask for both a template "
+                              "and none; drop one of them")
 
 
 NGRAM_DRAFT_TOKENS = 4  # the n-gram baseline's N when none is given

@@ -53,3 +53,6 @@ class ExportConfig:
             raise ConfigError("gate_prompts and gate_max_new_tokens must be >= 1")
         if not 0 <= self.max_tau_drop < 1:
             raise ConfigError("max_tau_drop is a fraction of the BF16 τ in [0, 1)")
+        if self.no_chat_template and self.chat_template is not None:
+            raise ConfigError(f"chat_template={self.chat_template} and no_chat_template=true ask for both a template "
+                              "and none; drop one of them")
