@@ -19,11 +19,12 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from export import dflash, dspark, eagle3, fp8_reload
 from trainer.data.shards import load_manifest
-from trainer.drafts.folder import module_shapes, read_draft
+from trainer.drafts.folder import check_finite_weights, module_shapes, read_draft
 from trainer.drafts.registry import build, get
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_save_safetensors, atomic_write_json, sha256_file
@@ -32,6 +33,8 @@ from trainer.speculative import check_num_draft_tokens
 
 EXPORT_MANIFEST = "draftsmith_export.json"
 WEIGHTS = "model.safetensors"
+EXPORT_AGAIN = ("a draft of non-finite weights proposes nothing: export again from a trained draft whose weights are "
+                "finite")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # algorithm (a key of trainer.drafts.registry.DRAFTS) -> its exporter
 EXPORTERS = {"eagle3": eagle3, "dflash": dflash, "dspark": dspark}
@@ -182,7 +185,20 @@ def read_export(path: str | Path) -> tuple[dict, dict, dict]:
         if p.stat().st_size != info["bytes"] or sha256_file(p) != info["sha256"]:
             raise DraftsmithError(f"export '{path}': {name} does not match its sha256 in {EXPORT_MANIFEST} "
                                   "(changed after export); export again")
-    return manifest, json.loads((path / "config.json").read_text()), load_file(path / WEIGHTS)
+    state = load_file(path / WEIGHTS)
+    check_finite_weights(state, path / WEIGHTS, EXPORT_AGAIN)
+    return manifest, json.loads((path / "config.json").read_text()), state
+
+
+def check_export_weights(path: str | Path) -> None:
+    """An export's weights hold no inf/NaN (read tensor by tensor: one in memory at a time)."""
+    f = Path(path) / WEIGHTS
+    try:
+        st = safe_open(f, "pt")
+    except Exception as err:  # safetensors' own error types for a damaged file
+        raise DraftsmithError(f"{f} is not readable safetensors ({err}); export again") from None
+    with st:
+        check_finite_weights(((k, st.get_tensor(k)) for k in st.keys()), f, EXPORT_AGAIN)
 
 
 def record_added_files(export_dir: Path, paths: list[Path]) -> None:

@@ -378,11 +378,12 @@ def inspect_main(argv: list[str]) -> None:
     """`draftsmith inspect-capture DIR`: verify a capture and print its summary."""
     ap = argparse.ArgumentParser(prog="draftsmith inspect-capture",
                                  description="Verify a capture against its manifest (every shard's size, sha256, "
-                                             "tensors and layer ids; the draft vocabulary) and print its summary.")
+                                             "tensors and layer ids; every stored state finite; the draft "
+                                             "vocabulary) and print its summary.")
     ap.add_argument("capture_dir", help="the output_dir of `draftsmith capture`")
-    info = verify_capture(ap.parse_args(argv).capture_dir)
+    info = verify_capture(ap.parse_args(argv).capture_dir, states=True)
     print(format_summary(info.manifest))
-    print(f"  all {len(info.manifest['shards'])} shard(s) match their sha256")
+    print(f"  all {len(info.manifest['shards'])} shard(s) match their sha256; every stored state is finite")
 
 
 @one_line_errors

@@ -275,6 +275,39 @@ def test_paths_that_cannot_be_used(tmp_path, tiny_capture, tiny_target_dir, trai
                                                    f"resume={tmp_path / 'missing'}"), "not a checkpoint folder")
 
 
+def _no_rope_parameters(c, **rope_scaling):
+    c.pop("rope_parameters", None)
+    c["rope_scaling"] = rope_scaling
+
+
+TARGET_CONFIGS = {  # an edit of the tiny target's config.json -> what the one line names
+    "rotary_fraction_above_1": (lambda c: c.update(partial_rotary_factor=1.5), ("partial_rotary_factor is 1.5",)),
+    "rotary_fraction_in_rope": (lambda c: c["rope_parameters"].update(partial_rotary_factor=0.0),
+                                ("rope_parameters.partial_rotary_factor is 0.0",)),
+    "unknown_rope_type": (lambda c: c["rope_parameters"].update(rope_type="wobble"),
+                          ("rope_parameters.rope_type is 'wobble'", "does not know")),
+    "unknown_rope_scaling_type": (lambda c: _no_rope_parameters(c, type="wobble", factor=2.0),
+                                  ("rope_scaling.type is 'wobble'", "does not know")),
+}
+
+
+@pytest.mark.parametrize("case", list(TARGET_CONFIGS))
+def test_a_target_whose_rope_cannot_be_computed_is_refused_by_the_first_stage(tmp_path, tiny_target_dir, capsys,
+                                                                              case):
+    """An impossible rotary fraction (it crashed train inside the draft's rotary) or a RoPE type
+    transformers does not know (a KeyError traceback in eval) is refused by prepare, the first
+    stage that names the target, in one line naming config.json and the key."""
+    edit, expect = TARGET_CONFIGS[case]
+    target = _copy(tiny_target_dir, tmp_path, "target")
+    config = json.loads((target / "config.json").read_text())
+    edit(config)
+    (target / "config.json").write_text(json.dumps(config))
+    src = write_jsonl(tmp_path / "c.jsonl", GOOD_CHATS)
+    one_line_error(capsys, prepare.main, [f"output_dir={tmp_path / 'p'}", f"target={target}", f"source={src}"],
+                   f"{target / 'config.json'}: ", *expect)
+    assert not (tmp_path / "p").exists()
+
+
 def test_eval_output_dir_is_checked_before_the_measurement(tmp_path, trained, tiny_target_dir, capsys, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

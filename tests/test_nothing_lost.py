@@ -433,6 +433,81 @@ def test_an_inf_scale_in_a_float8_capture_is_refused(float8_capture, tiny_target
     assert not out.exists()
 
 
+def _nan_state(tensors):
+    """A NaN in shard tensors: an e4m3 NaN code (0x7f) in float8 states, a NaN elsewhere."""
+    import torch
+
+    aux = tensors["aux_hidden_states"]
+    if aux.dtype == torch.float8_e4m3fn:
+        aux.view(torch.uint8)[3, 5] = 0x7F
+    else:
+        aux[3, 5] = float("nan")
+
+
+@pytest.mark.parametrize("stored", ["float8_e4m3", "float32"])
+def test_non_finite_stored_states_are_found_by_inspect_capture(stored, own, float8_capture, capsys):
+    """What train's non-finite-loss line sends the user to run reads every stored state: a float8
+    NaN code (its scale finite) or a NaN in unquantized states, the shard rehashed so that its
+    sha256 vouches for it, is one line naming the shard and the tensor."""
+    from safetensors.torch import load_file
+
+    cap = float8_capture if stored == "float8_e4m3" else own["capture"]
+    tensors = load_file(cap / "shard-00001.safetensors")
+    _nan_state(tensors)
+    _rehash_shard(cap, 1, tensors)
+    _unchanged(lambda: one_line_error(capsys, cli.main, ["inspect-capture", str(cap)], "shard-00001.safetensors",
+                                      "aux_hidden_states", "inf/NaN", "token 3"), cap)
+
+
+def _nan_weights(folder) -> tuple[str, str, int]:
+    """A NaN in the first matrix of folder/model.safetensors: (its name, the file's new sha256 and size)."""
+    from safetensors.torch import load_file, save_file
+
+    from trainer.io import sha256_file
+
+    p = folder / "model.safetensors"
+    tensors = load_file(p)
+    name = next(k for k, v in tensors.items() if v.is_floating_point() and v.dim() == 2)
+    tensors[name].view(-1)[7] = float("nan")
+    save_file(tensors, str(p), metadata={"format": "pt"})
+    return name, sha256_file(p), p.stat().st_size
+
+
+def test_a_draft_or_export_of_non_finite_weights_goes_no_further(trained_and_export, tiny_target_dir, tmp_path,
+                                                                 capsys):
+    """NaN weights that a consistent sha256 vouches for (the draft's config.json, the export's
+    manifest fixed up) would export, measure τ 1.000 and upload: export, eval and upload --dry-run
+    each refuse in one line naming the file and the tensor."""
+    draft, export = (tmp_path / "draft", tmp_path / "export")
+    shutil.copytree(trained_and_export[0], draft)
+    shutil.copytree(trained_and_export[1], export)
+
+    name, sha, _ = _nan_weights(draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**cfg, "weights_sha256": sha}))
+    weights = str(draft / "model.safetensors")
+    _unchanged(lambda: one_line_error(capsys, export_recipe.main, ["--draft", str(draft), "--output-dir",
+                                                                   str(tmp_path / "e")], weights, name, "NaN"), draft)
+    assert not (tmp_path / "e").exists()
+    _unchanged(lambda: one_line_error(capsys, eval_recipe.main, ["--draft", str(draft), "--num-prompts", "1",
+                                                                 "--max-new-tokens", "4", "--output-dir",
+                                                                 str(tmp_path / "ev")], weights, name, "NaN"), draft)
+
+    eval_recipe.main(["--draft", str(export), "--num-prompts", "1", "--max-new-tokens", "4", "--output-dir",
+                      str(export / "eval")])  # measured while sound: a complete export for upload
+
+    name, sha, size = _nan_weights(export)
+    m = json.loads((export / "draftsmith_export.json").read_text())
+    m["files"]["model.safetensors"] = {"bytes": size, "sha256": sha}
+    (export / "draftsmith_export.json").write_text(json.dumps(m))
+    weights = str(export / "model.safetensors")
+    _unchanged(lambda: one_line_error(capsys, eval_recipe.main, ["--draft", str(export), "--num-prompts", "1",
+                                                                 "--max-new-tokens", "4", "--output-dir",
+                                                                 str(tmp_path / "ev2")], weights, name, "NaN"), export)
+    _unchanged(lambda: one_line_error(capsys, cli.main, ["upload", str(export), "--repo", "me/draft", "--dry-run"],
+                                      weights, name, "NaN"), export)
+
+
 def test_a_non_finite_loss_stops_training(own, tiny_target_dir, tmp_path, capsys):
     """States a sha256 cannot vouch for (float32 NaN, manifest fixed up): the run stops at the step
     whose loss is not finite, says where to look, and leaves no folder."""

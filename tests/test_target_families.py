@@ -295,6 +295,30 @@ def test_a_family_whose_logits_draftsmith_misreads_is_refused_in_one_line(tmp_pa
     assert len(str(err.value).splitlines()) == 1
 
 
+def test_a_soft_cap_draftsmith_misreads_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A soft-cap is invisible on small logits (tanh(x / 30) * 30 is x within 0.3% for |x| < 3): the
+    check also compares logits made large, so a Gemma-2 target with logits of a few units whose
+    final_logit_softcapping draftsmith would misread (here: ignore) is refused, not trained on."""
+    import transformers
+
+    from trainer import families
+    from trainer.errors import TargetError
+
+    target_dir = tiny_family("gemma2", tmp_path / "gemma2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.1)  # tied: logits of a few units (|x| < 3)
+    model.save_pretrained(target_dir)
+    load_target(str(target_dir))  # read right, it loads
+    read = families.logit_transform
+    monkeypatch.setattr(families, "logit_transform",
+                        lambda cfg: read(type(cfg)(**{**cfg.to_dict(), "final_logit_softcapping": None})))
+    with pytest.raises(TargetError) as err:
+        load_target(str(target_dir))
+    assert "(gemma2): draftsmith's logits from its head and final norm differ from its own forward" in str(err.value)
+    assert len(str(err.value).splitlines()) == 1
+
+
 def test_capture_holds_the_targets_own_states(family_run):
     family, d, target_dir, m, _ = family_run
     target = load_target(str(target_dir))

@@ -37,9 +37,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import transformers
 from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from trainer.errors import TargetError
 
@@ -151,6 +153,70 @@ def intermediate_size(cfg) -> int:
         if value:
             return int(value)
     return 4 * cfg.hidden_size
+
+
+ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)  # what the target's classes and a draft's rotary compute
+
+
+def _field(cfg, name: str):
+    """cfg.name; None where absent or per layer (transformers raises for those: Gemma-4)."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:
+        return None
+
+
+def _key(raw: dict, *names: str) -> str:
+    """The first of `names` that the raw config.json section `raw` holds; else the first."""
+    return next((name for name in names if raw.get(name) is not None), names[0])
+
+
+def check_rope(config, raw: dict, where: str) -> None:
+    """Refuse, before any work, a target config whose RoPE cannot be computed: a rope_type
+    transformers does not know (its classes raise KeyError when built, and a draft's rotary
+    reads the same table, trainer/drafts/layers.py) and a rotary fraction outside (0, 1] or
+    that rotates an odd number of dims (a draft's rotary would not fit its heads). `config`:
+    the target's HF config; `raw`: its config.json as read (to name the key as the file does);
+    `where`: the file, named in the one line."""
+    text, section = config.get_text_config(), raw
+    prefix = ""
+    if isinstance(raw.get("text_config"), dict) and text is not config:
+        section, prefix = raw["text_config"], "text_config."
+    rope = _field(text, "rope_parameters") or {}
+    rope_key = _key(section, "rope_parameters", "rope_scaling")
+    per_type = rope if rope and all(isinstance(v, dict) for v in rope.values()) else {"": rope}
+    for layer_type, params in per_type.items():
+        if not isinstance(params, dict):
+            continue
+        at = f"{prefix}{rope_key}{'.' + layer_type if layer_type else ''}"
+        written = section.get(rope_key)
+        written = written.get(layer_type) if layer_type and isinstance(written, dict) else written
+        legacy = isinstance(written, dict) and "type" in written and "rope_type" not in written  # rope_scaling.type
+        field = "type" if legacy else "rope_type"
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise TargetError(f"{where}: {at}.{field} is {kind!r}, a RoPE transformers "
+                              f"{transformers.__version__} does not know (known: {', '.join(ROPE_TYPES)}), so neither "
+                              "the target nor a draft can be computed; correct it in the target's config.json (the "
+                              "model's own, as published), or use a transformers that knows it")
+    try:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    except Exception:  # absent, or per layer (transformers raises for Gemma-4's): only the range is checked
+        head_dim = None
+    top = next((name for name in ("partial_rotary_factor", "rotary_pct") if section.get(name) is not None), None)
+    fractions = [(f"{prefix}{name}", _field(text, name)) for name in ("partial_rotary_factor", "rotary_pct")]
+    fractions += [(f"{prefix}{top}" if top else f"{prefix}{rope_key}{'.' + t if t else ''}.partial_rotary_factor",
+                   p.get("partial_rotary_factor")) for t, p in per_type.items() if isinstance(p, dict)]
+    for at, factor in fractions:
+        if factor is None:
+            continue
+        number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+        dims = int(head_dim * factor) if number and head_dim else None
+        if not number or not 0 < factor <= 1 or (dims is not None and (dims < 2 or dims % 2)):
+            rotated = f" (head_dim {head_dim} x {factor!r} = {head_dim * factor:g})" if dims is not None else ""
+            raise TargetError(f"{where}: {at} is {factor!r}, but a rotary fraction must be above 0 and at most 1 and "
+                              f"rotate an even number of each head's dims{rotated}; correct it in the target's "
+                              "config.json (the model's own, as published)")
 
 
 def is_longrope(cfg) -> bool:

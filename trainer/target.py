@@ -27,7 +27,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from trainer.errors import TargetError
-from trainer.families import as_served, find_parts
+from trainer.families import as_served, check_rope, find_parts
 from trainer.io import cache_root, sha256_file
 from trainer.layer_ids import LAYER_ID_CONVENTION, LAYER_ID_MEANING
 
@@ -99,11 +99,27 @@ def resolve_target(spec: str) -> TargetSource:
             raise TargetError(f"target '{spec}' is a model folder that holds no tokenizer files "
                               f"({', '.join(tokenizer_files[:3])}…); copy the model's tokenizer files into it "
                               "(they come with the model on the Hub)")
+        check_target_config(path, spec)
         return TargetSource(name=path.resolve().name, path=path.resolve(), kind="hf")
     raise TargetError(
         f"target '{spec}' is neither an embedded alias ({', '.join(EMBEDDED_TARGETS)}), "
         "an HF model directory with config.json, nor a .gguf file"
     )
+
+
+def check_target_config(hf_dir: Path, spec: str) -> None:
+    """What the target's config.json says that cannot be computed (an unknown RoPE, an impossible
+    rotary fraction: trainer/families.py check_rope), refused where a stage first names the
+    target, before any work. A config transformers cannot read at all is left to the loader's
+    own line."""
+    f = Path(hf_dir) / "config.json"
+    try:
+        raw = json.loads(f.read_text())
+        config = AutoConfig.from_pretrained(hf_dir)
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if isinstance(raw, dict):
+        check_rope(config, raw, f"target '{spec}': {f}")
 
 
 def _assembled(spec: str, package: str, pip: str) -> Path:
@@ -445,18 +461,40 @@ def load_target(spec: str | TargetSource, dtype: str = "float32", device: str | 
     return target
 
 
+LARGE_LOGITS = 100.0  # the largest |logit| of check_logits' second pass: far past any soft-cap in use (Gemma: 30)
+
+
 @torch.no_grad()
 def check_logits(target: Target, spec: str) -> None:
     """draftsmith computes a target's logits from its parts (head, final norm, the family's
     transform: trainer/families.py) wherever it labels a draft or decodes. Held to the family's
     own forward on a few tokens at every full load: a family read wrongly (a logit scale this
-    version does not know) is refused in one line instead of training a draft on wrong labels."""
+    version does not know) is refused in one line instead of training a draft on wrong labels.
+    Twice: as the target computes them, and with the final norm's output scaled so that the
+    largest logit is about LARGE_LOGITS, where a soft-cap (tanh(x / c) * c, the identity on small
+    logits) read wrongly or not at all shows as plainly as a scale does."""
     ids = torch.arange(1, 9, device=target.device)[None] % target.vocab_size  # [1, 8]
-    theirs = target.model(input_ids=ids).logits.float()  # [1, 8, V]
-    ours = target.forward(ids).logits.float()
-    error = float((ours - theirs).norm() / theirs.norm().clamp_min(1e-6))
-    if not error < 1e-2:
-        family = getattr(target.model.config.get_text_config(), "model_type", "?")
-        raise TargetError(f"target '{spec}' ({family}): draftsmith's logits from its head and final norm differ from "
-                          f"its own forward (relative error {error:.3g}); this family's logit transform is not one "
-                          "draftsmith knows (trainer/families.py), so its drafts would train on wrong labels")
+    scale, normed = 1.0, []
+
+    def scaled(_module, _args, out):
+        normed.append(float(out.detach().abs().max()))
+        return out * scale if scale != 1.0 else out
+
+    hook = target.final_norm.register_forward_hook(scaled)
+    try:
+        for large in (False, True):
+            theirs = target.model(input_ids=ids).logits.float()  # [1, 8, V]
+            ours = target.forward(ids).logits.float()
+            error = float((ours - theirs).norm() / theirs.norm().clamp_min(1e-6))
+            if not error < 1e-2:
+                family = getattr(target.model.config.get_text_config(), "model_type", "?")
+                at = f" on logits scaled up to |x| = {float(theirs.abs().max()):.3g}" if large else ""
+                raise TargetError(f"target '{spec}' ({family}): draftsmith's logits from its head and final norm "
+                                  f"differ from its own forward (relative error {error:.3g}{at}); this family's logit "
+                                  "transform (a scale or soft-cap) is not one draftsmith reads right "
+                                  "(trainer/families.py), so its drafts would train on wrong labels")
+            # the second pass: logits about LARGE_LOGITS, the normed states kept well inside the dtype's range
+            room = torch.finfo(target.dtype).max / 64 / max(max(normed), 1e-6)
+            scale = min(LARGE_LOGITS / max(float(theirs.abs().max()), 1e-6), room)
+    finally:
+        hook.remove()

@@ -298,14 +298,32 @@ def layer_columns(stored: list[int], wanted: list[int], hidden_size: int) -> tor
                       for i in wanted])
 
 
-def verify_capture(path: str | Path) -> CaptureInfo:
+STATE_ROWS = 1024  # tokens of a shard's states read at a time when verify_capture reads them all
+
+
+def _first_non_finite(f, name: str) -> tuple[int, int] | None:
+    """(token, column) of the first inf/NaN in the state tensor `name` [N, W] of the open shard
+    `f`, read STATE_ROWS tokens at a time (float8 codes read as numbers: e4m3's NaN codes);
+    None when every value is finite."""
+    rows = f.get_slice(name)
+    for a in range(0, rows.get_shape()[0], STATE_ROWS):
+        x = rows[a:a + STATE_ROWS]
+        bad = ~torch.isfinite(x.float() if x.element_size() == 1 else x)
+        if bool(bad.any()):
+            t, c = (int(v) for v in bad.nonzero()[0])
+            return a + t, c
+    return None
+
+
+def verify_capture(path: str | Path, states: bool = False) -> CaptureInfo:
     """Check a capture where it is consumed (train, inspect-capture): the manifest is complete,
     every shard is there with its size and sha256 (each file hashed once), readable, holds
     the tensors of the layers the manifest names (its own record of the stored ids agrees,
     and the state widths are len(ids) x H and H), its float8 scales (if any) are finite and
     positive, and draft_vocab.safetensors is there and fits the target's vocabulary. One
-    clear line on the first problem. (Unquantized states are not read: that costs the whole
-    capture; training stops on a non-finite loss instead.)"""
+    clear line on the first problem. `states` (inspect-capture): every stored state is read
+    too and must be finite (a float8 NaN code, an inf a float16 cast made); train does not
+    read them here (that costs the whole capture) and stops on a non-finite loss instead."""
     info = load_manifest(path)
     manifest, where = info.manifest, f"capture '{info.path}'"
     H, ids = manifest["target"]["hidden_size"], manifest["aux_layer_ids"]
@@ -343,6 +361,15 @@ def verify_capture(path: str | Path) -> CaptureInfo:
                 raise DataError(f"{where}: shard {entry['file']} holds {int(bad.sum())} {name} that are not finite "
                                 f"and positive (first at token {int(bad.nonzero()[0, 0])}): its states would train "
                                 "a draft on NaN; capture again (overwrite=true)")
+        for name in ("aux_hidden_states", "last_hidden_state") if states else ():
+            with safe_open(p, "pt") as f:
+                found = _first_non_finite(f, name)
+            if found is not None:
+                t, c = found
+                layer = f"aux layer id {ids[c // H]}" if name == "aux_hidden_states" else "the last layer"
+                raise DataError(f"{where}: shard {entry['file']} holds inf/NaN in {name} (first at token {t}, "
+                                f"{layer}, stored {manifest['store_dtype']}): its states would train a draft on NaN; "
+                                "capture again (overwrite=true)")
         samples += entry["samples"]
     if samples != manifest["samples"]:
         raise DataError(f"{where}: the shards hold {samples} samples, {MANIFEST} says {manifest['samples']}; "

@@ -10,7 +10,7 @@ here, and nowhere else.
 
 `read_draft` refuses a folder whose weights or draft section were changed after training
 (their sha256), a draft trained 0 steps, tensors that are not exactly the module's
-state-dict keys, and shapes the draft section does not build.
+state-dict keys, shapes the draft section does not build, and weights holding inf/NaN.
 """
 
 from __future__ import annotations
@@ -86,6 +86,17 @@ def read_config(path: str | Path) -> dict:
     return cfg
 
 
+def check_finite_weights(tensors, file, remedy: str) -> None:
+    """Refuse weights holding inf/NaN, naming the file and the first such tensor: a sha256 vouches
+    only that a file is the one recorded, not that it holds numbers (a NaN draft would propose
+    nothing and measure τ 1.000). `tensors`: (name, tensor) pairs or a dict; float8 codes are
+    read as numbers (e4m3's NaN codes)."""
+    for name, t in (tensors.items() if isinstance(tensors, dict) else tensors):
+        if t.is_floating_point() and not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):
+            bad = int((~torch.isfinite(t.float())).sum())
+            raise DraftsmithError(f"{file}: tensor {name} holds {bad} inf/NaN value(s) of {t.numel()}; {remedy}")
+
+
 def module_shapes(algorithm: str, draft_cfg: dict) -> dict[str, tuple]:
     """The state-dict names and shapes of the draft `draft_cfg` builds (on the meta device:
     no memory): what a trained draft's file must hold, exactly."""
@@ -119,6 +130,7 @@ def read_draft(path: str | Path) -> tuple[dict, dict]:
     if bad:
         raise DraftsmithError(f"{path / WEIGHTS}: tensors do not fit the draft config: {'; '.join(bad[:3])}; the "
                               "config or the weights were changed after training")
+    check_finite_weights(state, path / WEIGHTS, "a draft of non-finite weights proposes nothing: train again")
     return cfg, state
 
 
