@@ -32,7 +32,6 @@ from accelerate.utils import ProjectConfiguration, set_seed
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 from recipes._common import one_line_errors, parse_args
 from trainer import faults
@@ -59,6 +58,7 @@ from trainer.io import (
 from trainer.metrics import simulated_tau
 from trainer.online.run import open_online
 from trainer.online.sources import StreamedSamples, epoch_plan
+from trainer.optim import build_optimizers, build_schedule
 from trainer.target import load_target, resolve_target
 from trainer.vllm.servable import check_servable
 
@@ -282,10 +282,13 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
     check_space(out, bytes_written(draft, total_steps // cfg.save_every, cfg.keep_last),
                 f"train into '{out}' (the trained draft and its checkpoints)",
                 "keep fewer checkpoints (keep_last), save less often (save_every), or choose another output_dir")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                  weight_decay=cfg.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, min(cfg.warmup_steps, total_steps), total_steps)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if cfg.optimizer == "muon" and flag("ACCELERATE_USE_DEEPSPEED"):
+        raise DraftsmithError("optimizer=muon does not run under DeepSpeed ZeRO (it partitions flattened gradients; "
+                              "Muon orthogonalizes whole matrices): launch with DDP, or use optimizer=adamw")
+    optimizers = build_optimizers(model.named_parameters(), cfg)  # AdamW, or Muon and AdamW side by side
+    schedulers = [build_schedule(o, cfg, total_steps) for o in optimizers]
+    model, loader, *prepared = accelerator.prepare(model, loader, *optimizers, *schedulers)
+    optimizers, schedulers = prepared[:len(optimizers)], prepared[len(optimizers):]
     effective = check_effective(cfg, accelerator, model)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
@@ -296,7 +299,7 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
                                                          if isinstance(v, (int, float, str, bool))})
     t0 = time.perf_counter()
     try:
-        history, tokens = _loop(cfg, accelerator, algo, target, draft, model, optimizer, scheduler, loader, progress,
+        history, tokens = _loop(cfg, accelerator, algo, target, draft, model, optimizers, schedulers, loader, progress,
                                 total_steps, out, online, draft_cfg.num_positions)
     finally:
         if online is not None:
@@ -324,7 +327,7 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
     return report
 
 
-def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, scheduler, loader, progress,
+def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizers, schedulers, loader, progress,
           total_steps: int, out: Path, online, positions: int) -> tuple[list[dict], float]:
     """The training loop, from where `progress` stands: (the history logged, the tokens trained on)."""
     window = _Window(positions, accelerator.device)
@@ -356,10 +359,13 @@ def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, 
                 accelerator.backward(metrics.loss)  # DeepSpeed steps its optimizer inside backward
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)  # DeepSpeed: its own
-                optimizer.step()
+                for optimizer in optimizers:
+                    optimizer.step()
                 if accelerator.sync_gradients:  # once per optimizer update (see make_accelerator)
-                    scheduler.step()
-                optimizer.zero_grad()
+                    for scheduler in schedulers:
+                        scheduler.step()
+                for optimizer in optimizers:
+                    optimizer.zero_grad()
             window.add(metrics, batch["attention_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
@@ -369,7 +375,7 @@ def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizer, 
                 stats = window.reduce(accelerator)  # tokens: all processes, since the last log line
                 tokens += stats.pop("tokens")
                 elapsed = time.perf_counter() - t0
-                stats.update(step=progress.step, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens / elapsed)
+                stats.update(step=progress.step, lr=schedulers[-1].get_last_lr()[0], tokens_per_s=tokens / elapsed)
                 if online is not None:  # which side waits: the trainer for states, or the producer on a full buffer
                     if hasattr(online.source, "refresh"):
                         online.source.refresh()
@@ -472,28 +478,36 @@ def _checkpoint_dir(out: Path, resume: str) -> str:
 
 
 class _Window:
-    """Sums since the last log line, kept on the device: [loss, micro-batches, tokens,
-    correct per draft position, counted per draft position] (the K positions the algorithm
-    trains: StepMetrics). The host reads them only when logging, so the loop has no sync per
-    micro-batch."""
+    """Sums since the last log line, kept on the device: [loss, micro-batches, tokens, then per
+    draft position: correct, counted, Σ α, α's rows] (the K positions the algorithm trains:
+    StepMetrics; α = Σ_v min(p, q), a position's acceptance under rejection sampling, where the
+    objective reads the target's distribution). The host reads them only when logging, so the
+    loop has no sync per micro-batch."""
 
     def __init__(self, k: int, device):
         self.k, self.device = k, device
         self.reset()
 
     def reset(self):
-        self.sums = torch.zeros(3 + 2 * self.k, device=self.device)
+        self.sums = torch.zeros(3 + 4 * self.k, device=self.device)
 
     def add(self, m, tokens: torch.Tensor):
+        none = torch.zeros(self.k, device=self.device)
+        alpha, rows = (m.alpha, m.alpha_rows) if m.alpha is not None else (none, none)
         self.sums += torch.cat([torch.stack([m.loss.detach().float(), torch.ones((), device=self.device),
-                                             tokens.float()]), m.correct.float(), m.count.float()])
+                                             tokens.float()]), m.correct.float(), m.count.float(), alpha.float(),
+                                rows.float()])
 
     def reduce(self, accelerator) -> dict:
         packed = accelerator.reduce(self.sums, reduction="sum").cpu()
         loss, n, tokens = packed[:3].tolist()
-        acc = (packed[3:3 + self.k] / packed[3 + self.k:].clamp(min=1)).tolist()
+        correct, count, alpha, rows = packed[3:].split(self.k)
+        acc = (correct / count.clamp(min=1)).tolist()
         self.reset()
-        return {"loss": loss / max(n, 1), "acc": acc, "tau": simulated_tau(acc), "tokens": tokens}
+        stats = {"loss": loss / max(n, 1), "acc": acc, "tau": simulated_tau(acc), "tokens": tokens}
+        if bool((rows > 0).any()):  # teacher-forced acceptance per position under rejection sampling
+            stats["alpha"] = (alpha / rows.clamp(min=1)).tolist()
+        return stats
 
 
 def format_report(r: dict) -> str:
@@ -502,7 +516,8 @@ def format_report(r: dict) -> str:
             f"(effective batch {r['effective']['effective_batch']}) in {r['seconds']:.0f} s: "
             f"loss {f.get('loss', float('nan')):.3f}, simulated τ {f.get('tau', float('nan')):.2f}, "
             f"{f.get('tokens_per_s', 0):.0f} tokens/s\n  per-step accuracy "
-            + " ".join(f"{a:.2f}" for a in f.get("acc", [])))
+            + " ".join(f"{a:.2f}" for a in f.get("acc", []))
+            + ("\n  per-position acceptance α " + " ".join(f"{a:.2f}" for a in f["alpha"]) if f.get("alpha") else ""))
 
 
 @one_line_errors

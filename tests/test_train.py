@@ -101,8 +101,12 @@ def _launch(args, env=None, launcher=None):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
 
 
-def test_killed_training_resumes_bit_identical(tmp_path, tiny_capture, tiny_target_dir):
-    common = ["max_steps=10", "epochs=10", "save_every=4"]
+@pytest.mark.parametrize("extra", [[], ["optimizer=muon", "lr_schedule=wsd", "draft.loss=lk_hybrid"]],
+                         ids=["adamw-cosine", "muon-wsd-lk_hybrid"])
+def test_killed_training_resumes_bit_identical(tmp_path, tiny_capture, tiny_target_dir, extra):
+    """Every optimizer and schedule: Muon's momentum and AdamW's moments, both schedules' steps,
+    are in the checkpoint, so a killed run resumed ends with the weights of an uninterrupted one."""
+    common = ["max_steps=10", "epochs=10", "save_every=4", *extra]
     ref = _launch(_args(tiny_capture, tiny_target_dir, tmp_path / "ref", *common))
     assert ref.returncode == 0, ref.stderr[-2000:]
     killed = _launch(_args(tiny_capture, tiny_target_dir, tmp_path / "cut", *common),
@@ -137,6 +141,33 @@ def test_a_non_finite_loss_stops_before_a_weight_or_a_checkpoint_takes_it(tmp_pa
     r = train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / "b", *common, "resume=latest"))
     assert r["steps"] == 12
     assert all(torch.isfinite(w).all() for w in load_file(tmp_path / "b" / "model.safetensors").values())
+
+
+def test_muon_takes_the_matrices_and_wsd_holds_the_rate_until_its_decay(tmp_path, tiny_capture, tiny_target_dir):
+    """optimizer=muon: torch's Muon on the draft layers' 2-D matrices, AdamW on norms and the
+    vocabulary head (trainer/optim.py); lr_schedule=wsd: warmup, the peak rate held, then linear
+    to 0 over the last decay_fraction of the steps; what was used is in the run's report."""
+    from trainer.optim import build_optimizers, build_schedule
+
+    cfg = _cfg(tiny_capture, tiny_target_dir, tmp_path / "o", "optimizer=muon", "lr_schedule=wsd",
+               "warmup_steps=2", "decay_fraction=0.25", "max_steps=12", "learning_rate=0.001", "muon_lr=0.01")
+    named = [("draft.fc.weight", torch.nn.Parameter(torch.ones(4, 12))),
+             ("draft.lm_head.weight", torch.nn.Parameter(torch.ones(20, 4))),
+             ("draft.norm.weight", torch.nn.Parameter(torch.ones(4)))]
+    muon, adamw = build_optimizers(named, cfg)
+    assert isinstance(muon, torch.optim.Muon) and [p.shape for p in muon.param_groups[0]["params"]] == [(4, 12)]
+    assert isinstance(adamw, torch.optim.AdamW) and len(adamw.param_groups[0]["params"]) == 2
+    assert muon.param_groups[0]["lr"] == 0.01 and adamw.param_groups[0]["lr"] == 0.001
+    sched = build_schedule(adamw, cfg, 12)
+    lrs = []
+    for _ in range(12):
+        lrs.append(sched.get_last_lr()[0])
+        adamw.step()
+        sched.step()
+    assert lrs[:2] == [0.0, 0.0005] and lrs[2:9] == [0.001] * 7  # warmup, then held
+    assert lrs[9:] == sorted(lrs[9:], reverse=True) and lrs[-1] < 0.001 / 2  # the last quarter decays
+    r = train.run(cfg)
+    assert r["history"][-1]["lr"] == 0.0
 
 
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",

@@ -19,6 +19,10 @@ class StepMetrics:
     position_loss: torch.Tensor  # [K] loss per position (detached)
     correct: torch.Tensor  # [K] positions where the draft's argmax is what greedy verification accepts
     count: torch.Tensor  # [K] positions counted
+    # [K] Σ over the supervised rows of α = Σ_v min(p, q) (trainer/losses.py: a row's acceptance under
+    # rejection sampling, teacher-forced), and [K] those rows; None where the step has no target p
+    alpha: torch.Tensor | None = None
+    alpha_rows: torch.Tensor | None = None
 
 
 def simulated_tau(acc: list[float]) -> float:

@@ -12,6 +12,7 @@ from trainer.data.shards import STORE_DTYPES
 from trainer.drafts.registry import get
 from trainer.errors import ConfigError
 from trainer.layer_ids import check_layer_ids
+from trainer.optim import MUON_LR_ADJUST, OPTIMIZERS, SCHEDULES
 from trainer.target import DEFAULT_TARGET, TARGET_DTYPES
 
 ONLINE_ENGINES = ("hf", "vllm")
@@ -74,6 +75,17 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 10
     max_grad_norm: float = 0.5
+    # adamw, or muon: torch.optim.Muon on the draft's 2-D weight matrices, AdamW (learning_rate,
+    # weight_decay) on the rest (trainer/optim.py); muon_lr null: learning_rate
+    optimizer: str = "adamw"
+    muon_lr: float | None = None
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
+    muon_adjust_lr_fn: str = "match_rms_adamw"  # torch's Muon: original | match_rms_adamw (AdamW's update RMS)
+    # cosine (warmup, then cosine to 0), or wsd: warmup, constant, then linear to 0 over the last
+    # decay_fraction of the steps (a stable-phase checkpoint resumed with a smaller max_steps decays there)
+    lr_schedule: str = "cosine"
+    decay_fraction: float = 0.2
     mixed_precision: str = "auto"  # auto: bf16 on an accelerator, fp32 on CPU; or "no" | "bf16"
     gradient_checkpointing: bool = False
     save_every: int = 100  # optimizer steps between `save_state` checkpoints
@@ -117,3 +129,13 @@ class TrainConfig:
             raise ConfigError(f"max_samples={self.max_samples}; use >= 1, or null for every sample of the data")
         if self.learning_rate <= 0 or self.warmup_steps < 0 or self.max_grad_norm < 0:
             raise ConfigError("learning_rate must be > 0, warmup_steps and max_grad_norm >= 0")
+        for key, allowed in (("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
+                             ("muon_adjust_lr_fn", MUON_LR_ADJUST)):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"{key}={getattr(self, key)}; use one of {', '.join(allowed)}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"decay_fraction={self.decay_fraction:g}; use a fraction of the steps in (0, 1]")
+        if (self.muon_lr is not None and self.muon_lr <= 0) or not 0 <= self.muon_momentum < 1 \
+                or self.muon_weight_decay < 0:
+            raise ConfigError("muon_lr must be > 0 (or null: learning_rate), muon_momentum in [0, 1), "
+                              "muon_weight_decay >= 0")

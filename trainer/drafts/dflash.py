@@ -30,15 +30,18 @@ exporter converts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from trainer import losses
 from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
-from trainer.drafts.shape import TargetShape
+from trainer.drafts.shape import TargetShape, check_objective, to_draft_ids
 from trainer.errors import ConfigError, DataError
+from trainer.losses import parse_objective
 from trainer.metrics import StepMetrics
 from trainer.speculative import DraftSampler, Proposal, positions_from_mask, trailing_holes
 
@@ -69,6 +72,10 @@ class DFlashConfig(TargetShape):
     num_anchors: int = 512  # per sequence (every public recipe); fewer on a CPU
     gamma: float = 7.0
     labels: str = "target"  # "target": the target's greedy token; "data": the token in the data
+    # Per slot: trainer/losses.py's objectives, one ("tv") or weighted ("ce:0.1,tv:0.9"). ce (the
+    # recipe's) trains toward `labels`' token; the others toward the target's distribution there.
+    loss: str = "ce"
+    lk_eta: float = 3.0  # lk_hybrid's η: λ = exp(-η α)
     # Rows ([Vd] logits) of the loss alive at once; more are computed in chunks whose logits
     # are recomputed in backward (bounded memory for a large vocabulary: at Qwen3-8B's 151,936
     # tokens, 512 anchors x 15 slots of fp32 logits are 4.7 GB unchunked). 0: no chunks.
@@ -86,6 +93,14 @@ class DFlashConfig(TargetShape):
             raise ConfigError(f"draft.labels '{self.labels}' is not one of target, data")
         if self.loss_chunk_rows < 0:
             raise ConfigError("draft.loss_chunk_rows must be >= 0 (0: no chunks)")
+        check_objective(self.loss, self.lk_eta, self.own_objectives)
+
+    own_objectives: ClassVar[tuple[str, ...]] = ()  # an algorithm's own objective names (DSpark: deepspec)
+
+    @property
+    def needs_target_p(self) -> bool:
+        """Whether the objective reads the target's distribution (every one but ce alone)."""
+        return set(parse_objective(self.loss)) != {"ce"} if self.loss not in self.own_objectives else True
 
     @property
     def num_positions(self) -> int:
@@ -293,14 +308,28 @@ def training_step(draft: DFlashDraft, batch: dict, labels: dict) -> StepMetrics:
     rows = live.reshape(-1)
     hs = h.reshape(-1, h.shape[-1])[rows]  # [R, H] only supervised slots
     target = to_draft_ids(draft, want.reshape(-1)[rows])
+    spec = losses.parse_objective(cfg.loss)
 
-    def slot_ce(hs, target):  # [r, H], [r] -> CE [r], argmax draft id [r]
+    if not cfg.needs_target_p:  # the recipe's CE alone: no target distribution computed
+        def slot_ce(hs, target):  # [r, H], [r] -> CE [r], argmax draft id [r]
+            logits = draft.logits(hs).float()  # [r, Vd]
+            ce = F.cross_entropy(logits, target.clamp(min=0), reduction="none") * (target >= 0)
+            return spec["ce"] * ce, logits.argmax(-1)
+
+        ce, argmax = in_row_chunks(slot_ce, (hs, target), cfg.loss_chunk_rows)
+        loss = weighted_mean(ce, live, cfg.gamma)
+        return block_metrics(loss, draft.draft_to_target()[argmax], greedy, live, ce)
+
+    def slot_objective(hs, target, p_row):  # [r, H], [r], [r] -> loss [r], argmax draft id [r], α [r]
         logits = draft.logits(hs).float()  # [r, Vd]
-        return F.cross_entropy(logits, target.clamp(min=0), reduction="none") * (target >= 0), logits.argmax(-1)
+        p = labels["target_p"][p_row]  # [r, Vd] the target's distribution there
+        alpha = losses.acceptance(logits.log_softmax(-1), p).detach()
+        return losses.objective_rows(spec, logits, p, target, cfg.lk_eta), logits.argmax(-1), alpha
 
-    ce, argmax = in_row_chunks(slot_ce, (hs, target), cfg.loss_chunk_rows)
-    loss = weighted_mean(ce, live, cfg.gamma)
-    return block_metrics(loss, draft.draft_to_target()[argmax], greedy, live, ce)
+    p_row = labels["target_row"].reshape(-1)[rows]
+    row_loss, argmax, alpha = in_row_chunks(slot_objective, (hs, target, p_row), cfg.loss_chunk_rows)
+    loss = weighted_mean(row_loss, live, cfg.gamma)
+    return block_metrics(loss, draft.draft_to_target()[argmax], greedy, live, row_loss, alpha)
 
 
 def in_row_chunks(fn, rows: tuple[torch.Tensor, ...], chunk: int) -> tuple[torch.Tensor, ...]:
@@ -345,17 +374,6 @@ def slot_supervision(batch: dict, anchors: torch.Tensor, valid: torch.Tensor, fi
     return at, in_span.long().cumprod(-1).bool() & valid[..., None]  # stops at the first slot outside
 
 
-def to_draft_ids(draft, target_ids: torch.Tensor) -> torch.Tensor:
-    """Target ids -> draft-vocabulary ids, -1 where the reduced vocabulary lacks the token
-    (no loss there: it cannot be predicted); unchanged with the target's full head."""
-    cfg = draft.config
-    if cfg.draft_vocab_size is None:
-        return target_ids
-    inv = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=target_ids.device)
-    inv[draft.draft_to_target()] = torch.arange(cfg.draft_vocab_size, device=target_ids.device)
-    return inv[target_ids]
-
-
 def weighted_mean(row_loss: torch.Tensor, live: torch.Tensor, gamma: float) -> torch.Tensor:
     """The position-decayed loss: slot j of live [B, n, K] weighs exp(-j/gamma); each sample's
     weighted mean, then the mean over samples (a batch of B equals B accumulated batches of
@@ -371,10 +389,11 @@ def weighted_mean(row_loss: torch.Tensor, live: torch.Tensor, gamma: float) -> t
 
 @torch.no_grad()
 def block_metrics(loss: torch.Tensor, pred_rows: torch.Tensor, greedy: torch.Tensor, live: torch.Tensor,
-                  row_loss: torch.Tensor) -> StepMetrics:
+                  row_loss: torch.Tensor, alpha: torch.Tensor | None = None) -> StepMetrics:
     """StepMetrics of a block draft. greedy, live [B, n, K] (what greedy verification accepts at
-    each slot; where supervision holds); pred_rows, row_loss [R]: the draft's target-id argmax
-    and its loss at the live slots, in order. Slot k counts when slots < k were all accepted."""
+    each slot; where supervision holds); pred_rows, row_loss, alpha [R]: the draft's target-id
+    argmax, its loss and its α = Σ min(p, q) at the live slots, in order (alpha: None where the
+    objective reads no target distribution). Slot k counts when slots < k were all accepted."""
     K = live.shape[-1]
     rows = live.reshape(-1)
     pred = torch.zeros_like(greedy)
@@ -385,8 +404,11 @@ def block_metrics(loss: torch.Tensor, pred_rows: torch.Tensor, greedy: torch.Ten
     slot = torch.arange(K, device=live.device).repeat(live.numel() // K)[rows]
     position_loss = torch.zeros(K, device=live.device).index_add_(0, slot, row_loss.detach().float())
     position_loss = position_loss / live.sum((0, 1)).clamp(min=1)
+    alpha_rows = None
+    if alpha is not None:
+        alpha, alpha_rows = torch.zeros(K, device=live.device).index_add_(0, slot, alpha.float()), live.sum((0, 1))
     return StepMetrics(loss=loss, position_loss=position_loss, correct=(run & before).sum((0, 1)),
-                       count=before.sum((0, 1)))
+                       count=before.sum((0, 1)), alpha=alpha, alpha_rows=alpha_rows)
 
 
 @torch.no_grad()
@@ -395,7 +417,46 @@ def target_labels(target, batch: dict, draft: DFlashDraft) -> dict:
     token after every position (the capture's target_argmax, from the full logits once at
     capture): anchors, valid [B, n]; target_ids [B, T] (-1 at padding)."""
     anchors, valid = sample_anchors(batch["loss_mask"], batch["attention_mask"], draft.config.num_anchors)
-    return {"anchors": anchors, "valid": valid, "target_ids": batch["target_argmax"].long()}
+    labels = {"anchors": anchors, "valid": valid, "target_ids": batch["target_argmax"].long()}
+    if draft.config.needs_target_p:  # slot k >= 1 predicts the token at a+k: the target's state at a+k-1
+        labels.update(slot_distributions(target, batch, draft, anchors, valid, draft.config.block_size - 1))
+    return labels
+
+
+@torch.no_grad()
+def slot_distributions(target, batch: dict, draft, anchors: torch.Tensor, valid: torch.Tensor, slots: int,
+                       chunk: int = 512) -> dict:
+    """The target's next-token distribution at the positions anchor + j (j < `slots`) of every
+    valid block, computed once per distinct position from the captured pre-norm last state,
+    `chunk` positions at a time: never a [B, T, V] tensor, nor one per slot.
+
+    Returns target_row [B, n, slots] (row of target_p for the state at anchor + j, -1 where no
+    slot needs it); target_p [U, Vd] (restricted to the draft vocabulary, not renormalized: the
+    mass outside stays outside), target_outside [U] (that mass), U <= min(B*T, B*n*slots).
+    Memory: U * Vd floats, plus chunk * V while computing."""
+    B, T = batch["input_ids"].shape
+    dev = anchors.device
+    pos = anchors[..., None] + torch.arange(slots, device=dev)  # [B, n, slots]
+    need = valid[..., None] & (pos < T - 1)
+    key = torch.arange(B, device=dev)[:, None, None] * T + pos.clamp(max=T - 1)  # flat b*T + t
+    unique, row = torch.unique(key[need], return_inverse=True)
+    target_row = torch.full_like(key, -1)
+    target_row[need] = row
+    states = batch["last_hidden_state"].reshape(B * T, -1)
+    draft_ids = draft.draft_to_target() if draft.config.draft_vocab_size is not None else None
+    probs, outside = [], []
+    for part in unique.split(chunk):
+        p = target.head_logits(target.final_norm(states[part].to(target.dtype))).float().softmax(-1)  # [u, V]
+        if draft_ids is not None:
+            p = p[:, draft_ids]
+            outside.append((1 - p.sum(-1)).clamp(min=0))
+        else:  # the full vocabulary: nothing outside
+            outside.append(p.new_zeros(p.shape[0]))
+        probs.append(p)
+    V = draft.config.draft_vocab_size or draft.config.vocab_size
+    return {"target_row": target_row,
+            "target_p": torch.cat(probs) if probs else states.new_zeros(0, V, dtype=torch.float32),
+            "target_outside": torch.cat(outside) if outside else states.new_zeros(0)}
 
 
 class DFlashProposer:

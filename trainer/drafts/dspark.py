@@ -29,11 +29,13 @@ The token embedding and, by default, the LM head are the target's, frozen, not s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer import losses
 from trainer.drafts import dflash
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
@@ -66,6 +68,10 @@ class DSparkConfig(dflash.DFlashConfig):
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     confidence_weight: float = 1.0
+    # "deepspec": the mix above; or trainer/losses.py's objectives (the confidence head's BCE is added to any)
+    loss: str = "deepspec"
+
+    own_objectives: ClassVar[tuple[str, ...]] = ("deepspec",)
 
     def validate(self) -> None:
         super().validate()
@@ -189,12 +195,12 @@ def training_step(draft: DSparkDraft, batch: dict, labels: dict) -> StepMetrics:
     hn = draft.backbone.norm(h.reshape(-1, h.shape[-1])[rows])  # [R, H] supervised slots only
     prev_r, target_r = prev.reshape(-1)[rows], dflash.to_draft_ids(draft.backbone, want.reshape(-1)[rows])
     p_row = labels["target_row"].reshape(-1)[rows]
-    row_loss, argmax = dflash.in_row_chunks(
+    row_loss, argmax, alpha = dflash.in_row_chunks(
         lambda hn, prev, target, p_row: slot_losses(draft, hn, prev, target, labels["target_p"],
                                                     labels["target_outside"], p_row),
         (hn, prev_r, target_r, p_row), cfg.loss_chunk_rows)
     loss = dflash.weighted_mean(row_loss, live, cfg.gamma)
-    return dflash.block_metrics(loss, draft.draft_to_target()[argmax], greedy, live, row_loss)
+    return dflash.block_metrics(loss, draft.draft_to_target()[argmax], greedy, live, row_loss, alpha)
 
 
 def slot_losses(draft: DSparkDraft, hn, prev, target, target_p, target_outside, p_row):
@@ -202,15 +208,18 @@ def slot_losses(draft: DSparkDraft, hn, prev, target, target_p, target_outside, 
     cfg = draft.config
     logits = draft.slot_logits(hn, prev).float()  # [R, Vd]
     logq = logits.log_softmax(-1)
-    ce = F.nll_loss(logq, target.clamp(min=0), reduction="none") * (target >= 0)
     p = target_p[p_row].float()  # [R, Vd]
     l1 = (logq.exp() - p).abs().sum(-1) + target_outside[p_row].float()  # mass q cannot cover counts fully
-    loss = cfg.ce_weight * ce + cfg.tv_weight * l1
+    if cfg.loss == "deepspec":
+        ce = F.nll_loss(logq, target.clamp(min=0), reduction="none") * (target >= 0)
+        loss = cfg.ce_weight * ce + cfg.tv_weight * l1
+    else:
+        loss = losses.objective_rows(losses.parse_objective(cfg.loss), logits, p, target, cfg.lk_eta)
     if draft.confidence_head is not None and cfg.confidence_weight > 0:
         c = draft.confidence_head(hn, draft.markov_head.markov_w1(prev))  # logit
         accept = (1 - 0.5 * l1).detach().clamp(0, 1)  # P(a draw from q is accepted) = 1 - TV(p, q)
         loss = loss + cfg.confidence_weight * F.binary_cross_entropy_with_logits(c, accept, reduction="none")
-    return loss, logits.argmax(-1)
+    return loss, logits.argmax(-1), (1 - 0.5 * l1).detach()  # α = Σ_Vd min(p, q) = 1 - TV(p, q)
 
 
 @torch.no_grad()
@@ -226,29 +235,8 @@ def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512) -> 
     B*n*K); target_ids [B, T] (the target's greedy token after each position: the capture's
     target_argmax, -1 at padding). Memory: U * Vd floats, plus chunk * V while computing."""
     anchors, valid = dflash.sample_anchors(batch["loss_mask"], batch["attention_mask"], draft.config.num_anchors)
-    B, T = batch["input_ids"].shape
-    dev = anchors.device
-    pos = anchors[..., None] + torch.arange(draft.config.block_size, device=dev)  # [B, n, K]
-    need = valid[..., None] & (pos < T - 1)
-    key = torch.arange(B, device=dev)[:, None, None] * T + pos.clamp(max=T - 1)  # flat b*T + t
-    unique, row = torch.unique(key[need], return_inverse=True)
-    target_row = torch.full_like(key, -1)
-    target_row[need] = row
-    states = batch["last_hidden_state"].reshape(B * T, -1)
-    draft_ids = draft.draft_to_target() if draft.config.draft_vocab_size is not None else None
-    probs, outside = [], []
-    for part in unique.split(chunk):
-        p = target.head_logits(target.final_norm(states[part].to(target.dtype))).float().softmax(-1)  # [u, V]
-        if draft_ids is not None:
-            p = p[:, draft_ids]
-            outside.append((1 - p.sum(-1)).clamp(min=0))
-        else:  # the full vocabulary: nothing outside
-            outside.append(p.new_zeros(p.shape[0]))
-        probs.append(p)
-    V = draft.config.draft_vocab_size or draft.config.vocab_size
-    return {"anchors": anchors, "valid": valid, "target_row": target_row, "target_ids": batch["target_argmax"].long(),
-            "target_p": torch.cat(probs) if probs else states.new_zeros(0, V, dtype=torch.float32),
-            "target_outside": torch.cat(outside) if outside else states.new_zeros(0)}
+    return {"anchors": anchors, "valid": valid, "target_ids": batch["target_argmax"].long(),
+            **dflash.slot_distributions(target, batch, draft, anchors, valid, draft.config.block_size, chunk)}
 
 
 class DSparkProposer:

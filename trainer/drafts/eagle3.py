@@ -31,7 +31,7 @@ from torch import nn
 
 from trainer import losses
 from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
-from trainer.drafts.shape import TargetShape
+from trainer.drafts.shape import TargetShape, check_objective, to_draft_ids
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
 from trainer.speculative import DraftSampler, Proposal, positions_from_mask, trailing_holes
@@ -63,6 +63,10 @@ class Eagle3Config(TargetShape):
     # Objective: the training-time test (EAGLE-3 paper §3.2; reference ttt length 7, decay 0.8).
     ttt_steps: int = 7  # K unrolled steps
     step_decay: float = 0.8  # loss weight decay^k for step k
+    # Per position: trainer/losses.py's objectives, one ("tv") or weighted ("fkl:0.5,tv:0.5"); fkl: the
+    # reference's soft cross-entropy against the target's distribution; ce: against its greedy token.
+    loss: str = "fkl"
+    lk_eta: float = 3.0  # lk_hybrid's η: λ = exp(-η α)
 
     needs_own_head: ClassVar[bool] = True
 
@@ -72,6 +76,7 @@ class Eagle3Config(TargetShape):
             raise ConfigError("draft.ttt_steps must be >= 1")
         if not 0 < self.step_decay <= 1:
             raise ConfigError("draft.step_decay must be in (0, 1]")
+        check_objective(self.loss, self.lk_eta)
 
     @property
     def num_positions(self) -> int:
@@ -375,24 +380,28 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
     hidden = draft.fc(batch["aux_hidden_states"].to(draft.fc.weight.dtype))  # [B, T, H]
     base_pos = torch.arange(T, device=ids.device).expand(B, T)
     cache: list = []
+    spec = losses.parse_objective(cfg.loss)
+    greedy = to_draft_ids(draft, batch["target_argmax"].long().clamp(min=0)) if "ce" in spec else None  # [B, T]
     loss = hidden.new_zeros((), dtype=torch.float32)
-    step_loss, correct, count = [], [], []
+    step_loss, correct, count, alpha = [], [], [], []
     for k in range(cfg.ttt_steps):
         tokens = shift_left(ids, 1 + k)  # [B, T] token i+1+k
         valid = shift_left(loss_mask, 2 + k).bool() & attn.bool()  # [B, T] token i+2+k is an assistant token
         b, i = valid.nonzero(as_tuple=True)  # the N positions the loss reads (i + 2 + k < T)
         target_p = p[b, i + 1 + k]  # [N, Vd] the target's distribution for token i+2+k
         hidden, logits = draft.step(tokens, hidden, base_pos + k, cache, rows=valid)  # logits [N, Vd]
-        loss_k = losses.soft_cross_entropy(logits, target_p, valid)
+        label = greedy[b, i + 1 + k] if greedy is not None else None  # [N] the target's greedy token, as a draft id
+        loss_k = losses.per_sample_mean(losses.objective_rows(spec, logits, target_p, label, cfg.lk_eta), valid)
         loss = loss + (cfg.step_decay ** k) * loss_k
         step_loss.append(loss_k.detach())
         with torch.no_grad():
             # the target's top token outside the draft vocab is a sure reject under greedy verification
             hit = (logits.argmax(-1) == target_p.argmax(-1)) & in_vocab[b, i + 1 + k]
+            alpha.append(losses.acceptance(torch.log_softmax(logits.float(), -1), target_p).sum())
         correct.append(hit.sum())
         count.append(valid.sum())
     return StepMetrics(loss=loss, position_loss=torch.stack(step_loss), correct=torch.stack(correct),
-                       count=torch.stack(count))
+                       count=torch.stack(count), alpha=torch.stack(alpha), alpha_rows=torch.stack(count))
 
 
 @torch.no_grad()

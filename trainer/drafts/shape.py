@@ -16,11 +16,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from trainer.errors import ConfigError
 from trainer.families import intermediate_size, norm_eps
+from trainer.losses import parse_objective
 
 # The size a capture builds when nothing says otherwise (the EAGLE-3 reference's Vd).
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
+
+
+def check_objective(text: str, eta: float, extra: tuple[str, ...] = ()) -> None:
+    """`draft.loss` (trainer/losses.py's objectives, or one of `extra`: an algorithm's own) and
+    `draft.lk_eta`, or one line saying what to write."""
+    if text not in extra:
+        try:
+            parse_objective(text)
+        except ValueError as err:
+            also = f" (or {', '.join(extra)})" if extra else ""
+            raise ConfigError(f"draft.loss={text}: {err}; write one objective, e.g. draft.loss=tv, or weighted "
+                              f"terms, e.g. draft.loss=ce:0.1,tv:0.9{also}") from None
+    if not eta > 0:
+        raise ConfigError(f"draft.lk_eta={eta} must be > 0 (lk_hybrid's λ = exp(-lk_eta α))")
+
+
+def to_draft_ids(draft, target_ids: torch.Tensor) -> torch.Tensor:
+    """Target ids -> draft-vocabulary ids, -1 where the reduced vocabulary lacks the token
+    (no loss there: it cannot be predicted); unchanged with the target's full head."""
+    cfg = draft.config
+    if cfg.draft_vocab_size is None:
+        return target_ids
+    inv = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=target_ids.device)
+    inv[draft.draft_to_target()] = torch.arange(cfg.draft_vocab_size, device=target_ids.device)
+    return inv[target_ids]
 
 
 def flat_rope(rope: dict | None, rope_theta: float = 10000.0) -> dict:
