@@ -35,7 +35,7 @@ from trainer.config import EvalConfig, to_yaml
 from trainer.data.chat import read_template, template_file
 from trainer.data.evalsets import dataset_file, load_prompts
 from trainer.errors import DraftsmithError
-from trainer.io import atomic_write_json, ensure_dir, guard_output, write_run_files
+from trainer.io import atomic_write_json, check_space, ensure_dir, guard_output, write_run_files
 from trainer.metrics import CostModel, best_num_draft_tokens
 from trainer.speculative import NGramDraft, Sampling, measure
 from trainer.target import load_target, resolve_target
@@ -139,6 +139,9 @@ def run(cfg: EvalConfig, argv=None) -> dict:
     return report
 
 
+REPORT_BYTES = 8 << 20  # report.json, acceptance.png and the run files: well under this
+
+
 def check_output_dir(cfg: EvalConfig, source) -> Path:
     """The report folder must be writable, never an input of the run (it may sit inside the
     export it measures, which records the report; inside any other export, never), only ever
@@ -156,6 +159,7 @@ def check_output_dir(cfg: EvalConfig, source) -> Path:
                               f"{export}), or choose an --output-dir outside it")
     if out.exists() and not out.is_dir():
         raise DraftsmithError(f"output_dir '{out}' is a file, not a folder; choose another --output-dir")
+    check_space(out, REPORT_BYTES, f"eval's report into '{out}'")
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise DraftsmithError(f"output_dir '{out}' cannot be created: '{blocker}' is a file, not a folder")

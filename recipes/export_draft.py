@@ -33,7 +33,7 @@ from trainer.data.evalsets import dataset_file, load_prompts
 from trainer.drafts.registry import get
 from trainer.errors import DraftsmithError
 from trainer.families import serve_max_model_len
-from trainer.io import fresh_output_dir, guard_output, publish_dir, write_run_files
+from trainer.io import check_space, fresh_output_dir, guard_output, publish_dir, write_run_files
 from trainer.speculative import measure
 from trainer.target import load_target, resolve_target
 from trainer.vllm.servable import PLUGIN_INSTALL, target_servability
@@ -80,6 +80,9 @@ def run(cfg: ExportConfig, argv=None) -> dict:
     served = target_servability(source, method)  # from the target's config alone
     if not served.servable and cfg.require_servable:
         raise DraftsmithError(f"export: {served.line} (require_servable=true; set it false to go on anyway)")
+    # the weights at most as trained (float32; bf16 and FP8 write less), the configs and the gate's report
+    check_space(out.parent if not out.exists() else out, sum(t.numel() * t.element_size() for t in state.values())
+                + (4 << 20), f"export into '{out}'")
     staging = fresh_output_dir(out, cfg.overwrite)  # refuses an existing output_dir before any work
     try:
         # produce: the export in a staging folder (BF16, or FP8 through Quark and its gate)

@@ -605,15 +605,18 @@ def test_a_python_without_vllm_is_one_line_before_any_work(trained_and_export, t
     assert not (tmp_path / "cmp").exists()
 
 
-def test_a_full_disk_is_found_before_training_and_is_one_line_anywhere(own, tiny_target_dir, tmp_path, capsys):
+def test_a_full_disk_is_found_before_training_and_is_one_line_anywhere(own, tiny_target_dir, trained_and_export,
+                                                                       tmp_path, capsys):
     """Online training on a disk too small for the draft trained, then failed at save with an
     OSError traceback and removed the folder: train now counts what it will write (the draft and
-    keep_last + 1 checkpoints) against what is free before any step; and a full disk met anywhere
-    else, or Ctrl-C, is one line (the last one printed), never a traceback."""
+    keep_last + 1 checkpoints) against what is free before any step, and export and eval what
+    they will write; a full disk met anywhere else, or Ctrl-C, is one line (the last one
+    printed), never a traceback."""
     import errno
 
-    from recipes._common import one_line_errors
     from tqdm.auto import tqdm
+
+    from recipes._common import one_line_errors
 
     small = tmp_path / "small"
     small.mkdir()
@@ -625,7 +628,11 @@ def test_a_full_disk_is_found_before_training_and_is_one_line_anywhere(own, tiny
                                             f"target={tiny_target_dir}", f"output_dir={small / 'd'}", "max_steps=4",
                                             "save_every=2"], "(the trained draft and its checkpoints) needs",
                        "KiB free", "keep_last")
-        assert not (small / "d").exists()
+        one_line_error(capsys, export_recipe.main, ["--draft", str(trained_and_export[0]), "--output-dir",
+                                                    str(small / "e")], f"export into '{small / 'e'}' needs", "free")
+        one_line_error(capsys, eval_recipe.main, ["--draft", str(trained_and_export[1]), "--num-prompts", "1",
+                                                  "--output-dir", str(small / "ev")], "eval's report", "free")
+        assert not any(small.iterdir())
     finally:
         subprocess.run(["umount", str(small)], check=False)
 

@@ -1,0 +1,133 @@
+"""Benchmark: which objective and optimizer make an EAGLE-3 draft accept the most per training token
+(issue 41's screen). Every (draft.loss, optimizer) pair trains on the same first samples of one
+ShareGPT capture of SmolLM2-135M-Instruct and is measured the same way; the table is τ per
+dataset with its spread, and the teacher-forced acceptance α the training reported.
+
+    .venv/bin/python scripts/bench_objectives.py --out runs/objectives [--records 300] [--budget 50000]
+        [--losses fkl,tv,lk,lk_hybrid,jsd,rkl] [--optimizers adamw,muon] [--prompts 24] [--max-new-tokens 64]
+
+1. Data: --records packaged ShareGPT records as written, max_length 1024, captured once (transformers
+   engine, bfloat16 states, the EAGLE-3 layers, an 8,192-token draft vocabulary).
+2. Train: the recipe's EAGLE-3 (recipes/configs/smollm2-135m/eagle3.yaml: frozen target head rows,
+   its learning rate) with 3 TTT steps, one epoch over the first samples reaching --budget tokens,
+   batch 1; each pair differs only in draft.loss and optimizer (Muon: torch's, muon_lr = the recipe's
+   learning rate, AdamW on the rest; trainer/optim.py).
+3. Measure: the in-tree decoder (it counts what vLLM counts: tests/test_vllm.py), greedy, N = 3,
+   --prompts GSM8K and --prompts MT-Bench prompts x --max-new-tokens each. The spread is the
+   standard error of τ over prompts (each prompt's accepted tokens per round), so two cells whose
+   difference is below about two standard errors are not told apart.
+Every step is skipped when its output exists: a stopped run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+DATASETS = ("gsm8k", "mtbench")
+PY = str(REPO / ".venv" / "bin" / "python")
+
+
+def run(cmd: list[str], what: str) -> None:
+    r = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    if r.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{r.stderr[-3000:]}")
+
+
+def capture(out: Path, records: int) -> Path:
+    prepared, cap = out / "prepared", out / "capture"
+    if not (prepared / "summary.json").is_file():
+        run([PY, "recipes/prepare.py", f"output_dir={prepared}", "source=sharegpt", f"max_records={records}",
+             "max_length=1024"], "prepare")
+    if not (cap / "manifest.json").is_file():
+        run([PY, "recipes/capture.py", f"data={prepared}", f"output_dir={cap}", "drafts=[eagle3]",
+             "draft_vocab_size=8192", "store_dtype=bfloat16"], "capture")
+    return cap
+
+
+def train(cap: Path, out: Path, n: int, loss: str, optimizer: str) -> dict:
+    if not (out / "train_report.json").is_file():
+        run([PY, "recipes/train.py", "--config", "recipes/configs/smollm2-135m/eagle3.yaml", f"data={cap}",
+             f"output_dir={out}", f"max_samples={n}", "epochs=1", "batch_size=1", "gradient_accumulation_steps=1",
+             "max_length=1024", "save_every=100000", "log_every=10", "warmup_steps=10", "draft.ttt_steps=3",
+             f"draft.loss={loss}", f"optimizer={optimizer}"], f"train {out.name}")
+    return json.loads((out / "train_report.json").read_text())
+
+
+def measure(draft: Path, out: Path, prompts: dict, max_new: int) -> dict:
+    """τ per dataset (N = 3, greedy, in-tree) and its standard error over prompts."""
+    from recipes._common import load_proposer
+    from trainer.speculative import measure as decode
+    from trainer.target import load_target
+
+    if out.is_file():
+        return json.loads(out.read_text())
+    target = load_target("smollm2-135m-instruct")
+    proposer, _ = load_proposer(str(draft), target)
+    res = {}
+    for ds, group in prompts.items():
+        per = []
+        for p in group:  # one prompt at a time: its own τ, for the spread
+            s = decode(target, proposer, [p], max_new, 3, eos_token_ids=target.eos_token_ids)
+            per.append((s.counts()["num_drafts"], s.counts()["num_accepted_tokens"]))
+        drafts, accepted = sum(d for d, _ in per), sum(a for _, a in per)
+        taus = [1 + a / d for d, a in per if d]
+        mean = sum(taus) / len(taus)
+        se = math.sqrt(sum((t - mean) ** 2 for t in taus) / max(len(taus) - 1, 1) / len(taus))
+        res[ds] = {"tau": 1 + accepted / max(drafts, 1), "se": se, "rounds": drafts}
+    out.write_text(json.dumps(res))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/objectives")
+    ap.add_argument("--records", type=int, default=300)
+    ap.add_argument("--budget", type=int, default=50000)
+    ap.add_argument("--losses", default="fkl,tv,lk,lk_hybrid,jsd,rkl")
+    ap.add_argument("--optimizers", default="adamw,muon")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from bench_quality import budget_samples
+
+    from trainer.data.evalsets import chat_prompt_ids, load_prompts
+    from trainer.target import load_target
+
+    cap = capture(out, args.records)
+    n, tokens = budget_samples(cap, args.budget)
+    tok = load_target("smollm2-135m-instruct", head_only=True).tokenizer
+    prompts = {ds: chat_prompt_ids(tok, load_prompts(ds, args.prompts)) for ds in DATASETS}
+    rows = []
+    for optimizer in args.optimizers.split(","):
+        for loss in args.losses.split(","):
+            d = out / f"{loss}-{optimizer}"
+            report = train(cap, d, n, loss, optimizer)
+            tau = measure(d, d / "tau.json", prompts, args.max_new_tokens)
+            alpha = report["final"].get("alpha")
+            rows.append({"loss": loss, "optimizer": optimizer, "tau": tau, "alpha": alpha,
+                         "final_loss": report["final"].get("loss"), "seconds": report["seconds"]})
+            print(json.dumps({"loss": loss, "optimizer": optimizer, **{ds: round(tau[ds]["tau"], 3) for ds in DATASETS},
+                              "alpha": [round(a, 3) for a in alpha or []]}), flush=True)
+            (out / "results.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nEAGLE-3 on SmolLM2-135M-Instruct, {tokens:,} training tokens ({n} ShareGPT samples, one epoch, batch 1, "
+          f"3 TTT steps); τ at N = 3, greedy, in-tree, {args.prompts} prompts x {args.max_new_tokens} tokens "
+          "per dataset (± one standard error over prompts); α: the last logged teacher-forced acceptance per step")
+    print(f"{'loss':<11}{'optimizer':<10}" + "".join(f"{ds:>16}" for ds in DATASETS) + "   α per TTT step")
+    for r in rows:
+        print(f"{r['loss']:<11}{r['optimizer']:<10}"
+              + "".join(f"{r['tau'][ds]['tau']:>9.3f} ±{r['tau'][ds]['se']:.3f}" for ds in DATASETS)
+              + "   " + " ".join(f"{a:.3f}" for a in r["alpha"] or []))
+
+
+if __name__ == "__main__":
+    main()
