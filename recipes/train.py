@@ -260,6 +260,8 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
         online = open_online(cfg.online, target=target, prepared=dataset, layer_ids=aux_ids,
                              max_model_len=engine_len, out=out, rank=accelerator.process_index,
                              world=accelerator.num_processes, barrier=accelerator.wait_for_everyone)
+        if accelerator.is_main_process:
+            print(online.summary, file=sys.stderr)  # what the buffer costs (and the producer's dtype)
         dataset = StreamedSamples(dataset, online.source)
     if cfg.max_samples is not None and cfg.max_samples < len(dataset):  # a data budget: the first N samples
         dataset = torch.utils.data.Subset(dataset, range(cfg.max_samples))

@@ -9,17 +9,25 @@ buffer. The vLLM producer (a separate process, through Ray) is in tests/test_vll
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import ray
+import torch
 
 from recipes import capture, export_draft, train
 from tests.conftest import REPO
 from trainer import faults
 from trainer.config import CaptureConfig, ExportConfig, TrainConfig, load_config
-from trainer.online.channel import join_cluster, open_channel
+from trainer.errors import DraftsmithError
+from trainer.online.channel import CLOSED, join_cluster, open_channel
+from trainer.online.sources import ChannelSource, Watch
+from trainer.online.wire import encode
+from trainer.vllm.online import served_dtype, settings_for
 
 TINY = REPO / "recipes" / "configs" / "tiny"
 # every sample forwarded alone on both sides: a sample's states are then the same arithmetic
@@ -61,13 +69,19 @@ def test_online_hf_is_capture_then_train_to_the_bit(algorithm, exact_capture, ti
     assert line["producer_tokens_per_s"] > 0 and 0 <= line["trainer_waited"] <= 1
 
 
-def test_a_second_epoch_reads_the_cache_and_trains_the_same(exact_capture, tiny_target_dir, tmp_path):
+def test_a_second_epoch_reads_the_cache_and_trains_the_same(exact_capture, tiny_target_dir, tmp_path, capsys):
     """online.cache_tokens: the first epoch's states kept on local disk, the later epochs read
-    them instead of running the target again; the run is the same to the bit."""
+    them instead of running the target again; the run is the same to the bit. The run's start
+    says what each rank's buffer costs."""
     prepared = json.loads((exact_capture / "manifest.json").read_text())["data"]["path"]
     offline = _train("eagle3", exact_capture, tiny_target_dir, tmp_path / "offline", "max_steps=16")
+    capsys.readouterr()
     online = _train("eagle3", prepared, tiny_target_dir, tmp_path / "online", "max_steps=16", "online.engine=hf",
                     f"online.max_tokens_per_batch={ALONE}", "online.draft_vocab_size=64", "online.cache_tokens=100000")
+    H = json.loads((tiny_target_dir / "config.json").read_text())["hidden_size"]
+    bytes_per_token = (3 + 1) * H * 4 + 9  # 3 aux layers and the last, float32; id, mask, greedy token
+    assert f"online: buffer 65,536 tokens = {65536 * bytes_per_token / 2**20:.1f} MiB per rank" \
+        in capsys.readouterr().err
     assert [h["loss"] for h in online["history"]] == [h["loss"] for h in offline["history"]]
     one_epoch = json.loads((exact_capture / "manifest.json").read_text())["tokens"]
     assert online["final"]["online"]["tokens_received"] == one_epoch  # 16 steps x 2 samples = 2 epochs; one made
@@ -143,12 +157,147 @@ def test_a_full_buffer_holds_the_producer_back():
         ray.shutdown()
 
 
+def test_an_unreachable_cluster_is_one_line_within_seconds():
+    """online.address where no Ray cluster answers: one line naming the setting, within seconds
+    (Ray alone retries for minutes, printing warnings)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(DraftsmithError) as err:
+        join_cluster(f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 10 and not ray.is_initialized()
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"online.address=127.0.0.1:{port}: no Ray cluster answers"), line
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not ray.is_initialized():
+        join_cluster(None)
+    yield
+    ray.shutdown()
+
+
+SAMPLES = [{"input_ids": torch.tensor([1, 2, 3])} for _ in range(4)]  # a prepared set's rows, as a source reads them
+
+
+def _taking(source, plan):
+    """Start `source` taking its plan's first sample in a thread: (the thread, what it got: result
+    or error, and when)."""
+    got = {}
+    source.begin(plan, 0)
+
+    def take():
+        try:
+            got["result"] = source.take(plan[0])
+        except DraftsmithError as err:
+            got["error"] = str(err)
+        got["at"] = time.monotonic()
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    return thread, got
+
+
+def test_every_rank_ends_in_one_line_within_seconds_when_the_producer_dies(cluster, tmp_path):
+    """Only the first rank watches the producers (it started them); when one dies, every rank ends
+    within seconds with the first rank's line (naming the producer and what to run), whatever the
+    first rank was doing: two ranks waiting for states, a real process as the producer."""
+    producer = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(2); sys.exit(17)"])
+    channel = open_channel("test-producer-dies", ranks=2, capacity_tokens=100)
+    first = Watch(lambda: f"the producer (pid {producer.pid}, exit {producer.returncode})",
+                  lambda: "no checkpoint was written yet: run the same command again",
+                  lambda: producer.poll() is None)
+    other = Watch(lambda: "the producer of channel test-producer-dies", lambda: "see the first rank")
+    sources = [ChannelSource(channel, 0, SAMPLES, 100, 600, 600, first),
+               ChannelSource(channel, 1, SAMPLES, 100, 600, 600, other)]
+    try:
+        taking = [_taking(source, [rank]) for rank, source in enumerate(sources)]
+        producer.wait()
+        died = time.monotonic()
+        for thread, got in taking:
+            thread.join(15)
+            assert not thread.is_alive() and got["at"] - died < 5, "a rank still waits"
+            assert got["error"] == f"online: the producer (pid {producer.pid}, exit 17) died; no checkpoint was " \
+                                   "written yet: run the same command again", got
+    finally:
+        for source in sources:
+            source.close()
+
+
+def test_a_closed_channel_ends_every_take_at_once(cluster):
+    """A channel closed (the run, or its first rank, ended) answers every waiting `take` at once,
+    with the reason given, and the ranks end in one line."""
+    channel = open_channel("test-closed", ranks=2, capacity_tokens=100)
+    for rank in (0, 1):
+        ray.get(channel.reset.remote(rank, 0, 0))
+    waiting = [channel.take.remote(rank, 60.0) for rank in (0, 1)]
+    time.sleep(1)
+    t0 = time.monotonic()
+    ray.get(channel.close.remote("online: the first rank's line"))
+    assert ray.get(waiting, timeout=10) == [(CLOSED, "online: the first rank's line")] * 2
+    assert time.monotonic() - t0 < 5
+    channel = open_channel("test-closed-plain", ranks=1, capacity_tokens=100)
+    source = ChannelSource(channel, 0, SAMPLES, 100, 600, 600, Watch(lambda: "the producer", lambda: "run again"))
+    thread, got = _taking(source, [0])
+    time.sleep(1)
+    ray.get(channel.close.remote())
+    thread.join(10)
+    assert not thread.is_alive() and "the run's channel was closed" in got["error"] and "\n" not in got["error"]
+
+
+def test_the_timeout_counts_from_the_first_states_and_the_start_is_bounded_apart(cluster):
+    """online.timeout_s counts only once the producer has handed this rank states: before that
+    (its engine's start) online.start_timeout_s bounds the wait. Each ends the run in one line
+    naming its setting."""
+    channel = open_channel("test-timeouts", ranks=1, capacity_tokens=100)
+    source = ChannelSource(channel, 0, SAMPLES, 100, 1, 30, Watch(lambda: "the producer", lambda: "run again"))
+    thread, got = _taking(source, [0, 1])
+    time.sleep(3)  # longer than timeout_s: an engine still starting
+    assert thread.is_alive(), got
+    handed = ray.get(channel.next_requests.remote(8, 1.0))
+    assert [r[2] for r in handed] == [0, 1]
+    ray.get(channel.deliver.remote(0, 0, 0, {**encode(SAMPLES[0]), "seq": 0, "index": 0}, 3))
+    thread.join(5)
+    assert not thread.is_alive() and torch.equal(got["result"]["input_ids"], SAMPLES[0]["input_ids"]), got
+    t0 = time.monotonic()
+    with pytest.raises(DraftsmithError, match=r"^online: the producer handed no states for \d+ s "
+                                              r"\(online.timeout_s=1\); run again$"):
+        source.take(1)
+    assert time.monotonic() - t0 < 5
+    channel = open_channel("test-start-timeout", ranks=1, capacity_tokens=100)
+    source = ChannelSource(channel, 0, SAMPLES, 100, 600, 2, Watch(lambda: "the producer", lambda: "run again"))
+    source.begin([0], 0)
+    with pytest.raises(DraftsmithError, match=r"^online: the producer handed no first states for \d+ s "
+                                              r"\(online.start_timeout_s=2: "):
+        source.take(0)
+
+
+def test_a_vllm_producer_runs_the_target_in_its_own_dtype(tmp_path):
+    """online.target_dtype null: the dtype the target's config names (a 70B target in bfloat16 is
+    not run in float32); set, it wins. The hf engine runs in the trainer's dtype: setting it is refused."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
+    cfg = load_config(TrainConfig, None, ["data=d", "output_dir=o", "online.engine=vllm"])
+    assert cfg.online.target_dtype is None
+    assert settings_for(cfg.online, [1, 2], 4, 64, served_dtype(tmp_path))["dtype"] == "bfloat16"
+    cfg = load_config(TrainConfig, None, ["data=d", "output_dir=o", "online.engine=vllm",
+                                          "online.target_dtype=float16"])
+    assert settings_for(cfg.online, [1, 2], 4, 64, served_dtype(tmp_path))["dtype"] == "float16"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "float16"}))
+    assert served_dtype(tmp_path) == "float16"
+
+
 @pytest.mark.parametrize("setting,expect", [
     (["online.engine=hf", "online.gpu_memory_utilization=0.5"], "are online.engine=vllm settings"),
     (["online.engine=hf", "online.data_parallel_size=2"], "are online.engine=vllm settings"),
     (["online.engine=vllm", "online.gpu_memory_utilization=1.5"], "online.gpu_memory_utilization in (0, 1]"),
     (["online.engine=vllm", "online.buffer_tokens=0"], "online.buffer_tokens"),
     (["online.engine=ray"], "use hf or vllm"),
+    (["online.engine=hf", "online.target_dtype=bfloat16"], "are online.engine=vllm settings"),
+    (["online.engine=vllm", "online.start_timeout_s=0"], "online.start_timeout_s=0; use > 0"),
 ])
 def test_an_online_setting_that_cannot_work_is_one_line(setting, expect, tiny_capture, tiny_target_dir, tmp_path,
                                                         capsys):

