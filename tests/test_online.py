@@ -293,8 +293,9 @@ def test_a_vllm_producer_runs_the_target_in_its_own_dtype(tmp_path):
 @pytest.mark.parametrize("setting,expect", [
     (["online.engine=hf", "online.gpu_memory_utilization=0.5"], "are online.engine=vllm settings"),
     (["online.engine=hf", "online.data_parallel_size=2"], "are online.engine=vllm settings"),
-    (["online.engine=vllm", "online.gpu_memory_utilization=1.5"], "online.gpu_memory_utilization in (0, 1]"),
-    (["online.engine=vllm", "online.buffer_tokens=0"], "online.buffer_tokens"),
+    (["online.engine=vllm", "online.gpu_memory_utilization=1.5"], "online.gpu_memory_utilization=1.5; use a fraction"),
+    (["online.engine=vllm", "online.buffer_tokens=0"], "online.buffer_tokens=0; use >= 1"),  # the key given, alone
+    (["online.engine=vllm", "online.concurrency=0"], "online.concurrency=0; use >= 1"),
     (["online.engine=ray"], "use hf or vllm"),
     (["online.engine=hf", "online.target_dtype=bfloat16"], "are online.engine=vllm settings"),
     (["online.engine=vllm", "online.start_timeout_s=0"], "online.start_timeout_s=0; use > 0"),

@@ -109,12 +109,17 @@ class TrainConfig:
         if o.store_dtype not in STORE_DTYPES or o.target_dtype not in (None, *TARGET_DTYPES):
             raise ConfigError(f"online.store_dtype is one of {', '.join(STORE_DTYPES)}, online.target_dtype one of "
                               f"{', '.join(TARGET_DTYPES)} (or null: the target's own)")
-        if min(o.buffer_tokens, o.max_tokens_per_batch, o.tensor_parallel_size, o.pipeline_parallel_size,
-               o.data_parallel_size, o.concurrency) < 1 or o.timeout_s <= 0 or o.cache_tokens < 0 \
-                or not (o.gpu_memory_utilization is None or 0 < o.gpu_memory_utilization <= 1):
-            raise ConfigError("online.buffer_tokens, max_tokens_per_batch, tensor/pipeline/data_parallel_size and "
-                              "concurrency must be >= 1, online.timeout_s > 0, online.cache_tokens >= 0, "
-                              "online.gpu_memory_utilization in (0, 1]")
+        for key in ("buffer_tokens", "max_tokens_per_batch", "tensor_parallel_size", "pipeline_parallel_size",
+                    "data_parallel_size", "concurrency"):
+            if getattr(o, key) < 1:
+                raise ConfigError(f"online.{key}={getattr(o, key)}; use >= 1")
+        if o.timeout_s <= 0:
+            raise ConfigError(f"online.timeout_s={o.timeout_s:g}; use > 0 (seconds without states before the run ends)")
+        if o.cache_tokens < 0:
+            raise ConfigError(f"online.cache_tokens={o.cache_tokens}; use >= 0 (0: no cache)")
+        if not (o.gpu_memory_utilization is None or 0 < o.gpu_memory_utilization <= 1):
+            raise ConfigError(f"online.gpu_memory_utilization={o.gpu_memory_utilization:g}; use a fraction in (0, 1], "
+                              "or null for vLLM's 0.9")
         if o.start_timeout_s <= 0:
             raise ConfigError(f"online.start_timeout_s={o.start_timeout_s:g}; use > 0 (the seconds the producer may "
                               "take to start and hand its first states)")
