@@ -18,7 +18,7 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
-from export import formats
+from export import formats, policy
 from trainer.errors import DraftsmithError
 from trainer.io import sha256_file
 
@@ -179,29 +179,40 @@ def compare_lines(report: dict, mine: dict, plot: bool) -> list[str]:
     key = "measured_tokens_per_s" if served else "tokens_per_s"
     m = report["machine"]
     where = m.get("cuda") or f"{m['cpu']} CPU, {m['threads']} threads"
-    how = (f"served in vLLM {report.get('vllm_version')} (the target in {report.get('vllm_dtype', 'float32')})"
+    mode = report.get("vllm_mode") or {}
+    how = (f"served in vLLM {report.get('vllm_version')} ({'eager' if mode.get('enforce_eager') else 'CUDA graphs'}, "
+           f"engine core {mode.get('engine_core', 'in-process')}, the target in {report.get('vllm_dtype', 'float32')}; "
+           f"{report.get('repeats') or 1} servings per cell after a discarded warm-up, mean ± one standard error)"
            if served else
            "predicted from in-tree costs (`--no-vllm`: not served)")
     lines = ["## Served speed", "",
              f"Output tokens/s {how} on {where}, measured by `draftsmith compare`: {report['dataset']}, "
              f"{report['prompts']} prompts, {report['max_new_tokens']} tokens each, greedy, at each concurrency "
-             "a client keeping that many requests in flight.", "",
-             "| concurrency | without speculation | this draft (best N) | speedup | best of those compared |",
+             "a client keeping that many requests in flight. \"Serve\" is the simplest configuration no other "
+             "beats beyond the noise (a one-sided Welch t-test at 97.5% and at least 2%).", "",
+             "| concurrency | without speculation | this draft (best N) | speedup | serve |",
              "|---|---|---|---|---|"]
+
+    def cell(p: dict) -> str:
+        return f"{p[key]:.1f}" + (f" ± {p['measured_se']:.1f}" if p.get("measured_se") else "")
+
+    recommended = {int(b): r for b, r in (report.get("recommendations") or {}).items()}
     for b in report["concurrency"]:
         rows = [p for p in report["predictions"] if p["concurrency"] == b]
-        plain = next(p[key] for p in rows if p["n"] == 0)
-        best = max((p for p in rows if not p.get("in_tree")), key=lambda p: p[key])
+        plain_row = next(p for p in rows if p["n"] == 0)
+        plain = plain_row[key]
+        best = (recommended.get(b) or {}).get("best") or max((p for p in rows if not p.get("in_tree")),
+                                                              key=lambda p: p[key])
         who = "this draft" if best["candidate"] == mine["name"] else best["candidate"]
-        best_cell = f"{who}" + (f", N={best['n']}" if best["n"] else "") + f": {best[key]:.1f}"
+        best_cell = "without speculation" if not best["n"] else f"{who}, N={best['n']}"
         mine_rows = [p for p in rows if p["candidate"] == mine["name"]]
         if mine_rows[0].get("in_tree"):  # the vLLM it was compared in cannot serve it
             top = max(mine_rows, key=lambda p: p["speedup"])
-            lines.append(f"| {b} | {plain:.1f} | N={top['n']}: ~{top['at_vllm_plain_tokens_per_s']:.1f} (not served: "
-                         f"in-tree costs) | {top['speedup']:.2f}x | {best_cell} |")
+            lines.append(f"| {b} | {cell(plain_row)} | N={top['n']}: ~{top['at_vllm_plain_tokens_per_s']:.1f} (not "
+                         f"served: in-tree costs) | {top['speedup']:.2f}x | {best_cell} |")
             continue
         top = max(mine_rows, key=lambda p: p[key])
-        lines.append(f"| {b} | {plain:.1f} | N={top['n']}: {top[key]:.1f} | {top[key] / plain:.2f}x | {best_cell} |")
+        lines.append(f"| {b} | {cell(plain_row)} | N={top['n']}: {cell(top)} | {top[key] / plain:.2f}x | {best_cell} |")
     lines.append("")
     if plot:
         lines += [f"![output tokens/s against concurrency]({COMPARE_PLOT})", ""]
@@ -248,6 +259,9 @@ def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None 
               + (": in the measurement below speculation did not beat plain decoding on that machine (best N 0); "
                  "re-measure on your serving hardware." if best == 0 else "."))
              , ""]
+    shipped = policy.read(root)  # the serving policy compare --write-policy recorded into the export
+    if shipped is not None:
+        lines += policy.card_lines(shipped)
     lines += ["## Measured acceptance", "",
               "τ is the mean accepted length per target forward, bonus token included (vLLM's "
               "\"Mean acceptance length\"); acceptance at position k is conditional on positions < k. "

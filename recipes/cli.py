@@ -6,6 +6,7 @@
     draftsmith compare --drafts runs/demo/export-bf16 runs/demo/export-fp8 --concurrency 1,4,16 [--no-vllm]
     draftsmith export  --draft runs/demo/eagle3 --output-dir runs/demo/export-fp8 [--quantize fp8] [--overwrite]
     draftsmith upload  runs/demo/export-fp8 --repo me/name --dry-run   (then without --dry-run)
+    draftsmith serve-line runs/demo/export-bf16 --concurrency 8     (after compare --write-policy)
     draftsmith demo    [key=value ...]
     draftsmith inspect-capture runs/demo/capture      (verify shard hashes, print the summary)
 
@@ -31,6 +32,8 @@ COMMANDS = {
                "recipes.export_draft", "main"),
     "upload": ("publish an export to the Hugging Face Hub with a model card of its measured numbers",
                "recipes.upload", "main"),
+    "serve-line": ("the `vllm serve` line for an export at a load, from the policy compare measured into it",
+                   "recipes.serve_line", "main"),
     "demo": ("prepare -> capture -> train -> export BF16 + FP8 -> eval, on the embedded SmolLM2 target",
              "recipes.demo", "main"),
     "inspect-capture": ("verify a capture's shards against its manifest and print its summary",

@@ -43,13 +43,15 @@ from pathlib import Path
 import torch
 from matplotlib.figure import Figure
 
-from export import formats
+from export import formats, policy
 from export.hub import COMPARE_SIGNED
 from recipes._common import load_proposer, one_line_errors, parse_flags, prompt_ids, target_for
+from trainer import serving
 from trainer.config import CompareConfig, to_yaml
 from trainer.data.chat import read_template, template_file
 from trainer.data.evalsets import dataset_file, load_prompts
 from trainer.errors import DraftsmithError
+from trainer.families import served_max_model_len
 from trainer.io import (
     atomic_write_json,
     cache_root,
@@ -74,7 +76,9 @@ FLAGS = {"--dataset": ("dataset", "gsm8k, math500, humaneval, mtbench, sharegpt 
          "--chat-template": ("chat_template", "a Jinja chat template file for the prompts (default: the one the "
                                               "first draft's data was prepared with, else the target's)")}
 SWITCHES = {"--no-vllm": ("vllm=false", "no vLLM here: predict from in-tree costs alone (nothing served)"),
-            "--no-ngram": ("ngram=false", "leave vLLM's n-gram out of the candidates")}
+            "--no-ngram": ("ngram=false", "leave vLLM's n-gram out of the candidates"),
+            "--write-policy": ("write_policy=true", "write each export's measured serving policy into it "
+                                                   "(serving/policy.json: upload's card, `draftsmith serve-line`)")}
 REPEATED = {"--drafts": ("drafts", "EXPORT", "export folders (draftsmith export), all for one target: "
                                              "--drafts A B or --drafts A --drafts B")}
 
@@ -120,7 +124,7 @@ def run(cfg: CompareConfig, argv=None) -> dict:
             c["by_n"][n] = {"acceptance": acceptance(target, c["proposer"], prompts, cfg.max_new_tokens, n)}
     report = {"target": target.name, "target_sha256": target.content_hash, "dataset": cfg.dataset,
               "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "concurrency": cfg.concurrency,
-              "machine": machine()}
+              "machine": machine(), "repeats": cfg.repeats if cfg.vllm else None}
     if cfg.vllm:
         report.update(costs_measured_in=f"vLLM (every candidate served at every N and concurrency, the target in "
                                         f"{serving_dtype(cfg, candidates)})",
@@ -148,6 +152,8 @@ def run(cfg: CompareConfig, argv=None) -> dict:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    if cfg.write_policy:  # asked for: each export gains its measured policy (recorded, as eval's reports are)
+        report["policies"] = [str(p) for p in write_policies(report, candidates)]
     return report
 
 
@@ -265,20 +271,29 @@ def served_in_vllm(target, candidates, prompts, cfg) -> dict:
     through those costs (`simulate`). Measured beside it: the served output tokens/s, whether
     vLLM's counts equal the in-tree decoder's, and whether its outputs equal its plain decoding's."""
     dtype = serving_dtype(cfg, candidates)
+    text = target.model.config.get_text_config()
+    longest = max(len(p) for p in prompts) + cfg.max_new_tokens + max(n for c in candidates for n in c["ns"]) + 1
+    if longest > text.max_position_embeddings:
+        raise DraftsmithError(f"compare: the longest prompt ({max(len(p) for p in prompts)} tokens), "
+                              f"{cfg.max_new_tokens} new tokens and the draft tokens need a {longest}-token context; "
+                              f"{target.name} takes {text.max_position_embeddings}: lower --max-new-tokens or use "
+                              "shorter prompts")
+    longest = served_max_model_len(text, longest)
     work = Path(tempfile.mkdtemp(prefix="compare-", dir=ensure_dir(cache_root() / "work", "draftsmith's cache")))
     top = max(cfg.concurrency)
+    sweep = {"concurrency": cfg.concurrency, "repeats": cfg.repeats, "warmup": True}
     jobs = [{"target": target.hf_dir, "prompts": prompts, "out": str(work / "none.json"), "max_num_seqs": top,
-             "max_new_tokens": cfg.max_new_tokens, "sweep": {"ns": [0], "concurrency": cfg.concurrency},
-             "dtype": dtype}]
+             "max_new_tokens": cfg.max_new_tokens, "sweep": {**sweep, "ns": [0]}, "dtype": dtype,
+             "max_model_len": longest}]  # no prompt truncated or refused by vLLM's default of 1,024
     for i, c in enumerate(candidates):
-        job = {**jobs[0], "out": str(work / f"candidate-{i}.json"), "sweep": {"ns": c["ns"],
-                                                                             "concurrency": cfg.concurrency}}
+        job = {**jobs[0], "out": str(work / f"candidate-{i}.json"), "sweep": {**sweep, "ns": c["ns"]}}
         if c["method"] == "ngram":
             job.update(method="ngram", **{k: v for k, v in c["config"].items() if k.startswith("prompt_lookup")})
         else:
             job.update(draft=c["config"]["model"], method=c["method"])
         jobs.append(job)
-    print(f"compare: serving {len(jobs)} engines in vLLM (every N, concurrency {cfg.concurrency})", file=sys.stderr)
+    print(f"compare: serving {len(jobs)} engines in vLLM (every N, concurrency {cfg.concurrency}, {cfg.repeats} "
+          "servings each after a warm-up)", file=sys.stderr)
     try:
         results = checks.run_vllm_jobs(jobs, timeout=900 * len(jobs))
     except BaseException:  # of the work folder (in draftsmith's cache) only the runner's log stays: the error names it
@@ -302,7 +317,8 @@ def served_in_vllm(target, candidates, prompts, cfg) -> dict:
             mine = [row for row in r["sweep"] if row["n"] == n]
             a = c["by_n"][n]["acceptance"]
             rows += predicted_and_measured(c["name"], n, mine, a["per_prompt"], lengths)
-            c["by_n"][n]["vllm"] = [{"concurrency": row["concurrency"], "tokens_per_s": row["tokens"] / row["seconds"],
+            c["by_n"][n]["vllm"] = [{"concurrency": row["concurrency"], "repeat": row.get("repeat", 0),
+                                     "tokens_per_s": row["tokens"] / row["seconds"],
                                      "counts_equal": same_counts(row["spec"], a, n),
                                      "outputs_equal": row["outputs"] == plain[0]["outputs"]} for row in mine]
     if unserved:  # the in-tree decoder's costs, its speedup over its own plain decoding at vLLM's plain speed
@@ -319,21 +335,44 @@ def served_in_vllm(target, candidates, prompts, cfg) -> dict:
         served["in_tree_verify_s"] = costs["verify_s"]
     served["predictions"] = rows
     served["vllm_version"] = results[0]["vllm"]
-    served["vllm_dtype"] = dtype
+    served["vllm_mode"] = mode = results[0].get("mode", {})
+    served["vllm_dtype"] = mode.get("dtype", dtype)
+    exclude_unfaithful(candidates, served["vllm_dtype"])
     return served
+
+
+def exclude_unfaithful(candidates, dtype: str) -> None:
+    """A candidate is recommended only when vLLM served it losslessly and as measured in-tree: in
+    float32 any output that differs from vLLM's plain decoding, or counts that differ from the
+    in-tree decoder's, exclude it (c["excluded"]: why, in one line). In bfloat16/float16 vLLM's
+    own near-ties flip tokens (and the in-tree decoder runs float32): those are tolerated and
+    counted (c["divergent_servings"])."""
+    for c in candidates:
+        servings = [(n, v) for n, m in c["by_n"].items() for v in m.get("vllm", [])]
+        differ = [(n, v) for n, v in servings if not v["outputs_equal"]]
+        miscount = [(n, v) for n, v in servings if not v["counts_equal"]]
+        c["divergent_servings"] = {"outputs": len(differ), "counts": len(miscount), "of": len(servings)}
+        if dtype != "float32" or not (differ or miscount):
+            continue
+        n, v = (differ or miscount)[0]
+        what = "its outputs differ from vLLM's plain decoding (not lossless)" if differ else \
+            "vLLM's counts differ from the in-tree decoder's"
+        c["excluded"] = f"{what} at N={n}, concurrency {v['concurrency']} ({len(differ)} output and {len(miscount)} " \
+                        f"count mismatches in {len(servings)} float32 servings): never recommended"
 
 
 def serving_dtype(cfg: CompareConfig, candidates) -> str:
     """One dtype for the target under every candidate (a speedup is one over the same target):
     bfloat16 where an FP8 export is compared (vLLM's Quark loader takes one only over a bf16/fp16
-    target), else float32, where vLLM's counts are the in-tree decoder's exactly."""
+    target), else "deployed": the runner serves the target's own dtype on a GPU build and float32
+    on vLLM's CPU build, where vLLM's counts are the in-tree decoder's exactly."""
     fp8 = [c["export"] for c in candidates if c.get("fp8")]
     if cfg.dtype == "float32" and fp8:
         raise DraftsmithError(f"compare dtype=float32 with the FP8 export '{fp8[0]}': vLLM serves an FP8 draft only "
                               "over a bfloat16 or float16 target; use dtype=bfloat16 (or auto)")
     if cfg.dtype != "auto":
         return cfg.dtype
-    return "bfloat16" if fp8 else "float32"
+    return "bfloat16" if fp8 else "deployed"
 
 
 def same_counts(vllm_spec: dict, ours: dict, n: int) -> bool:
@@ -347,17 +386,19 @@ def same_counts(vllm_spec: dict, ours: dict, n: int) -> bool:
 
 def predicted_and_measured(name, n, servings, per_prompt, lengths) -> list[dict]:
     """One (candidate, N) at each concurrency: the prediction from vLLM's step costs (measured over
-    all its servings) and the in-tree steps per prompt, and the served tokens/s."""
+    all its servings) and the in-tree steps per prompt, and the served tokens/s of every repeated
+    serving (their mean, its standard error; the prediction's error against the mean)."""
     step_s, prompt_s = step_costs(servings)
     requests = [(steps + 1, length) for (steps, _), length in zip(per_prompt, lengths)]  # + the prompt's step
     tokens = sum(t for _, t in per_prompt)
     rows = []
-    for row in servings:
-        b = row["concurrency"]
+    for b in dict.fromkeys(row["concurrency"] for row in servings):
+        runs = [row["tokens"] / row["seconds"] for row in servings if row["concurrency"] == b]
         predicted = tokens / simulate(requests, b, step_s, prompt_s)
-        measured = row["tokens"] / row["seconds"]
+        mean, se = serving.spread(runs)
         rows.append({"candidate": name, "n": n, "concurrency": b, "tokens_per_s": predicted,
-                     "measured_tokens_per_s": measured, "error": predicted / measured - 1})
+                     "measured_tokens_per_s": mean, "measured_runs": runs, "measured_se": se,
+                     "error": predicted / mean - 1})
     return rows
 
 
@@ -408,45 +449,97 @@ def simulate(requests: list[tuple[int, int]], b: int, step_s: dict[int, float], 
     return seconds
 
 
+def runs_of(p: dict) -> list[float]:
+    """The tokens/s a row was decided on: every serving of it, else its prediction (--no-vllm)."""
+    return p.get("measured_runs") or [p.get("measured_tokens_per_s", p["tokens_per_s"])]
+
+
+def simplicity(candidates):
+    """A sort key, smaller = simpler: no speculation, vLLM's n-gram, a BF16 draft, an FP8 one; then N."""
+    by_name = {c["name"]: c for c in candidates}
+
+    def key(p: dict) -> tuple:
+        c = by_name.get(p["candidate"]) or {}
+        kind = 0 if p["n"] == 0 else 1 if c.get("method") == "ngram" else 3 if c.get("fp8") else 2
+        return kind, p["n"]
+
+    return key
+
+
+def eligible(predictions, candidates, b: int) -> list[dict]:
+    """The rows at load b a recommendation may take: served (not in-tree only), not excluded."""
+    out = {c["name"] for c in candidates if c.get("excluded")}
+    return [p for p in predictions if p["concurrency"] == b and not p.get("in_tree") and p["candidate"] not in out]
+
+
 def recommend(predictions, candidates, concurrency) -> dict:
-    """For each concurrency the best and the runner-up (another candidate), by the tokens/s vLLM
-    served where it served them, else the prediction (--no-vllm); each with its
-    --speculative-config (None: serve without speculation). A candidate the installed vLLM cannot
-    serve is never recommended (its in-tree prediction is printed beside)."""
+    """For each concurrency what to serve (trainer/serving.py `choose`: the simplest configuration
+    no other beats beyond the noise of its repeated servings) and the runner-up (the fastest other
+    candidate), each with its --speculative-config (None: serve without speculation). A candidate
+    the installed vLLM cannot serve, or that served unfaithfully (`exclude_unfaithful`), is never
+    recommended."""
     configs = {c["name"]: c["config"] for c in candidates}
     out = {}
     for b in concurrency:
-        ranked = sorted((p for p in predictions if p["concurrency"] == b and not p.get("in_tree")),
-                        key=lambda p: -p.get("measured_tokens_per_s", p["tokens_per_s"]))
-        best = ranked[0]
-        runner = next((p for p in ranked if p["candidate"] != best["candidate"]), None)
+        cells = [{**p, "runs": runs_of(p)} for p in eligible(predictions, candidates, b)]
+        best, fastest, why = serving.choose(cells, simplicity(candidates))
+        others = [p for p in cells if p["candidate"] != best["candidate"]]
+        runner = max(others, key=lambda p: serving.spread(p["runs"])[0]) if others else None
 
         def entry(p):
             if p is None:
                 return None
             config = None if p["n"] == 0 else {**configs[p["candidate"]], "num_speculative_tokens": p["n"]}
-            return {**p, "config": config}
+            return {**{k: v for k, v in p.items() if k != "runs"}, "config": config}
 
-        out[b] = {"best": entry(best), "runner_up": entry(runner)}
+        out[b] = {"best": entry(best), "runner_up": entry(runner), "why": why,
+                  "fastest": {"candidate": fastest["candidate"], "n": fastest["n"]}}
+    return out
+
+
+def draft_or_plain(c: dict, concurrency: list[int], candidates, predictions) -> dict[int, tuple[dict, str]]:
+    """Per load, this draft (at its N) or plain decoding, whichever trainer/serving.py's rule serves
+    between them alone, and why; plain decoding wherever the draft was excluded or not served."""
+    out = {}
+    for b in concurrency:
+        cells = [{**p, "runs": runs_of(p)} for p in eligible(predictions, candidates, b)
+                 if p["candidate"] in (c["name"], "no speculation")]
+        chosen, _, why = serving.choose(cells, simplicity(candidates))
+        out[b] = ({k: v for k, v in chosen.items() if k != "runs"}, why)
     return out
 
 
 def dynamic_configs(concurrency: list[int], candidates, predictions) -> dict:
-    """Per draft, one --speculative-config for every load: its best N at each concurrency as vLLM's
-    batch-size schedule (`num_speculative_tokens_per_batch_size`: [first, last, N] ranges, the last
-    carried on to larger batches; vllm/v1/spec_decode/dynamic/utils.py)."""
+    """Per draft served faithfully, one --speculative-config for every load: at each concurrency the
+    N it is served at (its own best, the simplest within the noise; 0 where serving without
+    speculation is not beaten beyond the noise) as vLLM's batch-size schedule
+    (`num_speculative_tokens_per_batch_size`: ranges from 1, trainer/serving.py `schedule`)."""
     out = {}
-    concurrency = sorted(concurrency)
     for c in candidates:
-        best = []
-        for b in concurrency:
-            mine = [p for p in predictions if p["candidate"] == c["name"] and p["concurrency"] == b]
-            best.append(max(mine, key=lambda p: p.get("measured_tokens_per_s", p["tokens_per_s"]))["n"])
-        ranges = [[b, (concurrency[i + 1] - 1) if i + 1 < len(concurrency) else b, n]
-                  for i, (b, n) in enumerate(zip(concurrency, best))]
-        out[c["name"]] = {**c["config"], "num_speculative_tokens": max(best),
-                          "num_speculative_tokens_per_batch_size": ranges}
+        if c["method"] == "ngram" or c.get("excluded") or c.get("not_served"):
+            continue
+        n_at = {b: row["n"] for b, (row, _) in draft_or_plain(c, concurrency, candidates, predictions).items()}
+        if not any(n_at.values()):  # never faster than plain decoding: no schedule to serve it with
+            continue
+        out[c["name"]] = {**c["config"], "num_speculative_tokens": max(n_at.values()),
+                          "num_speculative_tokens_per_batch_size": serving.schedule(concurrency, n_at)}
     return out
+
+
+def write_policies(report: dict, candidates) -> list[Path]:
+    """--write-policy: each export's serving policy into the export (export/policy.py), recorded."""
+    written = []
+    for c in candidates:
+        if not c.get("export"):
+            continue
+        chosen = draft_or_plain(c, report["concurrency"], candidates, report["predictions"])
+        plain = {b: next(p for p in report["predictions"] if p["concurrency"] == b and p["n"] == 0)
+                 for b in report["concurrency"]}
+        schedule = report["dynamic_configs"].get(c["name"], {}).get("num_speculative_tokens_per_batch_size")
+        made = policy.build(report, c, {b: row for b, (row, _) in chosen.items()}, plain,
+                            {b: why for b, (_, why) in chosen.items()}, schedule)
+        written.append(policy.write(c["export"], made))
+    return written
 
 
 def machine() -> dict:
@@ -480,6 +573,8 @@ def plot(report: dict, path: Path) -> None:
 def format_report(r: dict) -> str:
     rows = [f"{r['target']} on {r['dataset']} ({r['prompts']} prompts, {r['max_new_tokens']} tokens each); costs "
             f"measured in {r['costs_measured_in']}"]
+    if r.get("vllm_mode"):
+        rows.append(f"  served as: {served_as(r)}")
     for c in r["candidates"]:
         taus = ", ".join(f"N={n}: τ {m['acceptance']['tau']:.2f}" + (f" in {m['acceptance']['share']:.0%} of steps"
                                                                      if m["acceptance"]["share"] < 1 else "")
@@ -488,12 +583,13 @@ def format_report(r: dict) -> str:
         if c.get("not_served"):
             rows.append(f"    not served: {c['not_served']} (its costs from the in-tree decoder; never "
                         "recommended here)")
-        differ = [f"N={n} c={v['concurrency']}" for n, m in c["by_n"].items() for v in m.get("vllm", [])
-                  if not (v["counts_equal"] and v["outputs_equal"])]
-        if differ:
-            rows.append("    warning: vLLM's counts differ from the in-tree decoder's, or its outputs from plain "
-                        f"decoding's (served in {r.get('vllm_dtype')}: outside float32 near-ties may flip), at "
-                        + ", ".join(differ))
+        if c.get("excluded"):
+            rows.append(f"    excluded: {c['excluded']}")
+        elif (c.get("divergent_servings") or {}).get("outputs") or (c.get("divergent_servings") or {}).get("counts"):
+            d = c["divergent_servings"]
+            rows.append(f"    note: served in {r.get('vllm_dtype')}, {d['outputs']} of {d['of']} servings had outputs "
+                        f"that differ from plain decoding's and {d['counts']} counts that differ from the float32 "
+                        "in-tree decoder's (near-ties outside float32: tolerated, counted)")
     for b, rec in r["recommendations"].items():
         rows.append(f"  concurrency {b}:")
         here = [p for p in r["predictions"] if p["concurrency"] == b]
@@ -511,12 +607,23 @@ def format_report(r: dict) -> str:
                 served = (f"not served, in-tree {p['speedup']:.2f}x its plain decoding "
                           f"(~{p['at_vllm_plain_tokens_per_s']:.1f} tok/s at vLLM's plain speed)")
             elif "measured_tokens_per_s" in p:
-                served = f"served {p['measured_tokens_per_s']:7.1f} tok/s, {served} ({p['error']:+.0%})"
+                served = (f"served {p['measured_tokens_per_s']:7.1f} ± {p.get('measured_se', 0):4.1f} tok/s, {served} "
+                          f"({p['error']:+.0%})")
             rows.append(f"    {served}  {name}")
         best = rec["best"]
         rows.append("    serve: " + (f"--speculative-config '{json.dumps(best['config'])}'" if best["config"]
-                                      else "without speculation"))
+                                      else "without speculation") + f" ({rec.get('why', 'the fastest')})")
     return "\n".join(rows)
+
+
+def served_as(r: dict) -> str:
+    """How vLLM served every figure: its version, eager or graphs, where its engine core ran, the
+    target's dtype, the repeats (the report's and the model card's line)."""
+    m = r.get("vllm_mode") or {}
+    return (f"vLLM {r.get('vllm_version')} on {m.get('platform', '?')}, "
+            f"{'eager' if m.get('enforce_eager') else 'CUDA graphs'}, engine core {m.get('engine_core', '?')}, "
+            f"target in {r.get('vllm_dtype')}, {r.get('repeats', 1)} servings per cell after a discarded warm-up "
+            "(± one standard error)")
 
 
 def spread(argv: list[str]) -> list[str]:

