@@ -68,7 +68,7 @@ from trainer.target import (
     target_hf_dir,
 )
 from trainer.vllm.capture import capture_in_vllm
-from trainer.vllm.servable import check_servable
+from trainer.vllm.servable import check_servable, check_vllm_capture
 
 STATE = "capture_state.json"
 
@@ -127,6 +127,8 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
     # resolve: the target (once), the prepared data
     source = resolve_target(cfg.target)
     out = guard_output(cfg.output_dir, [cfg.data, source.path], "capture", cfg.overwrite)
+    if cfg.engine == "vllm":  # vLLM hands states out only through the interface a draft reads: refused up front
+        check_vllm_capture(source)
     warnings = check_servable(source, [VLLM_METHOD[a] for a in cfg.drafts], cfg.require_servable, "capture")
     for line in warnings if state.is_main_process else ():  # before any work
         print(line, file=sys.stderr)

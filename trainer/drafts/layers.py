@@ -61,13 +61,16 @@ class Rotary(nn.Module):
                          max_position_embeddings=max_position_embeddings, rope_parameters=dict(rope_parameters))
         rope_type = hf.rope_parameters.get("rope_type", "default")
         rotary_dim = int(head_dim * hf.rope_parameters.get("partial_rotary_factor", 1.0))
-        if rope_type == "default":
-            base = hf.rope_parameters["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-            scale = 1.0
-        else:  # transformers' init functions honour partial_rotary_factor themselves
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # computed on the CPU whatever the default device is: a draft built on the meta device
+        # (folder.py module_shapes) would otherwise have transformers' init copy a meta tensor
+        with torch.device("cpu"):
+            if rope_type == "default":
+                base = hf.rope_parameters["rope_theta"]
+                inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+                scale = 1.0
+            else:  # transformers' init functions honour partial_rotary_factor themselves
+                inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # not in the state dict: module.to() moves it
         self.scale = scale
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

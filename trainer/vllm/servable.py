@@ -8,7 +8,9 @@ from a target class that implements `SupportsEagle3`
 EAGLE3 interface" at load otherwise). The answer comes from the installed vLLM when there is
 one (trainer/vllm/runners/vllm_servable.py, through the runner pattern: the vLLM environment's
 Python), cached per vLLM install; otherwise from `vllm_servable_0.32.json`, recorded from
-vLLM 0.32.0's own registry by the same runner (`--all`), which names its version.
+vLLM 0.32.0's own registry by the same runner (`--all`), which names its version. The installed
+vLLM also reads the target's config.json as its engine start would (with its own transformers,
+which may be older than draftsmith's): a config it cannot read is not servable there.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from pathlib import Path
 from trainer.errors import DraftsmithError
 from trainer.families import embedding_name, is_longrope, longrope_note
 from trainer.io import atomic_write_json
-from trainer.target import TargetSource, cache_root, target_architectures, target_config
-from trainer.vllm.env import vllm_python
+from trainer.target import TargetSource, cache_root, resolve_target, target_architectures, target_config, target_hf_dir
+from trainer.vllm.env import require_vllm_python, vllm_python
 
 RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_servable.py"
 TABLE = Path(__file__).resolve().parent / "vllm_servable_0.32.json"
@@ -38,10 +40,16 @@ class Servability:
     line: str  # one line that says so, naming the architecture, the method and the vLLM consulted
 
 
-def _installed_report(architectures: list[str]) -> dict | None:
-    """The installed vLLM's answer (trainer/vllm/runners/vllm_servable.py) for these architectures,
-    cached on disk per vLLM install and architecture (one vLLM start answers every architecture
-    not yet known); None without a vLLM environment or when it cannot answer."""
+def config_digest(folder: Path) -> str:
+    """What a config read is cached by: the sha256 of the folder's config.json."""
+    return hashlib.sha256((Path(folder) / "config.json").read_bytes()).hexdigest()
+
+
+def _installed_report(architectures: list[str], configs: list[Path] = ()) -> dict | None:
+    """The installed vLLM's answer (trainer/vllm/runners/vllm_servable.py) for these architectures
+    and whether it reads these target folders' config.json ("configs", by config_digest), cached
+    on disk per vLLM install, architecture and config (one vLLM start answers everything not yet
+    known); None without a vLLM environment or when it cannot answer."""
     python = vllm_python()
     if python is None or not Path(python).exists():
         return None
@@ -55,37 +63,45 @@ def _installed_report(architectures: list[str]) -> dict | None:
     except (ValueError, OSError):
         known = {}
     mine = known.get(key) if isinstance(known.get(key), dict) else None
+    folders = {config_digest(folder): Path(folder) for folder in configs}
     missing = [a for a in architectures if mine is None or a not in mine["architectures"]]
-    if missing:
+    unread = [d for d in folders if mine is None or d not in mine.get("configs", {})]
+    if missing or unread or mine is None:
         out = cache_root() / f"servable-{os.getpid()}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env.setdefault("VLLM_CACHE_ROOT", str(cache_root() / "vllm-cache"))
+        env["HF_HUB_OFFLINE"] = "1"  # local folders only: no Hub lookups for a config
         try:
-            r = subprocess.run([python, str(RUNNER), "--architectures", *missing, "--out", str(out)],
+            r = subprocess.run([python, str(RUNNER), "--architectures", *missing,
+                                "--configs", *[str(folders[d]) for d in unread], "--out", str(out)],
                                capture_output=True, text=True, timeout=300, env=env)
             if r.returncode != 0 or not out.is_file():
                 return None
             report = json.loads(out.read_text())
-        except (OSError, subprocess.SubprocessError, ValueError):
+            report["configs"] = {d: report["configs"][str(folders[d])] for d in unread}
+        except (OSError, subprocess.SubprocessError, ValueError, KeyError):
             return None
         finally:
             out.unlink(missing_ok=True)
-        mine = {**report, "architectures": {**(mine or {}).get("architectures", {}), **report["architectures"]}}
-        try:  # another process may have added architectures meanwhile: re-read, merge, write
+        mine = {**report, "architectures": {**(mine or {}).get("architectures", {}), **report["architectures"]},
+                "configs": {**(mine or {}).get("configs", {}), **report["configs"]}}
+        try:  # another process may have added architectures or configs meanwhile: re-read, merge, write
             latest = json.loads(cache.read_text()) if cache.is_file() else {}
-            theirs = latest.get(key) if isinstance(latest.get(key), dict) else {"architectures": {}}
-            mine["architectures"] = {**theirs["architectures"], **mine["architectures"]}
+            theirs = latest.get(key) if isinstance(latest.get(key), dict) else {}
+            for part in ("architectures", "configs"):
+                mine[part] = {**theirs.get(part, {}), **mine[part]}
             atomic_write_json(cache, {**latest, key: mine})
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # a cache that cannot be written only costs the next call its vLLM start
-    return {**mine, "architectures": {a: mine["architectures"][a] for a in architectures}}
+    return {**mine, "architectures": {a: mine["architectures"][a] for a in architectures},
+            "configs": {d: mine["configs"][d] for d in folders}}
 
 
-def ask_installed_vllm(architectures: list[str]) -> None:
-    """The installed vLLM asked about all these architectures at once (one vLLM start), so that
-    each later servability check for one of them is answered from the cache."""
-    _installed_report(sorted(set(architectures)))
+def ask_installed_vllm(architectures: list[str], targets: list[Path] = ()) -> None:
+    """The installed vLLM asked about all these architectures and target folders' configs at once
+    (one vLLM start), so that each later servability check for one of them is answered from the cache."""
+    _installed_report(sorted(set(architectures)), list(targets))
 
 
 # Methods whose vLLM draft cannot be built over a LongRoPE target: vLLM's DFlash (and DSpark, its
@@ -100,13 +116,15 @@ SHARED_EMBEDDING_NAMES = ("embed_tokens", "embedding")
 
 
 def servability(architectures: list[str], method: str, longrope: bool = False,
-                embedding: str | None = None) -> Servability:
+                embedding: str | None = None, config: Path | None = None) -> Servability:
     """Whether a draft of vLLM's speculative `method` can be served for a target of
     `architectures` (its HF config's; `longrope`: its RoPE is LongRoPE; `embedding`: the
-    attribute its HF base model holds the token embedding under), by the installed vLLM when
-    there is one, else by the table recorded from 0.32."""
+    attribute its HF base model holds the token embedding under; `config`: its HF folder, whose
+    config.json the installed vLLM must read), by the installed vLLM when there is one, else by
+    the table recorded from 0.32."""
     archs = list(architectures or [])
-    report = _installed_report(archs) if archs else None
+    configs = [Path(config)] if config is not None and (Path(config) / "config.json").is_file() else []
+    report = _installed_report(archs, configs) if archs else None
     where = f"the installed vLLM {report['vllm']}" if report else None
     if report is None:
         report = json.loads(TABLE.read_text())
@@ -114,6 +132,12 @@ def servability(architectures: list[str], method: str, longrope: bool = False,
     if not archs:
         return Servability(False, f"the target's config names no architecture, so {where} cannot be asked whether it "
                                   f"serves {method} drafts for it")
+    read = next(iter(report.get("configs", {}).values()), {"ok": True}) if configs else {"ok": True}
+    if not read.get("ok"):
+        return Servability(False, f"{where} cannot read this target's {configs[0] / 'config.json'} with its "
+                                  f"transformers {report.get('transformers', '?')} ({read.get('error')}); upgrade "
+                                  "transformers in the vLLM environment (with its pip), or serve with a vLLM that "
+                                  "reads this model's config")
     rows = {a: report["architectures"].get(a, {"registered": False, "supports_eagle3": False}) for a in archs}
     ok = [a for a, row in rows.items() if row.get("supports_eagle3")]
     if method not in report["methods"]:
@@ -128,12 +152,14 @@ def servability(architectures: list[str], method: str, longrope: bool = False,
                                   "(train an EAGLE-3 draft for it)")
     if ok and rows[ok[0]].get("plugin") and method not in plugin_families().get(ok[0], ()):
         return Servability(False, f"{where} cannot serve {method} drafts for this target through draftsmith's vLLM "
-                                  f"plugin: {ok[0]}'s {method} drafts are not verified there (the plugin's "
-                                  f"VERIFIED_METHODS: {', '.join(plugin_families().get(ok[0], ())) or 'none'}); "
-                                  "train one of those")
+                                  f"plugin: no served run has shown {ok[0]}'s {method} drafts count-equal there (the "
+                                  f"plugin's VERIFIED_METHODS: {', '.join(plugin_families().get(ok[0], ())) or 'none'}"
+                                  "); train one of those")
     if ok and rows[ok[0]].get("plugin"):
+        test, build = plugin_proofs()[ok[0], method]
         return Servability(True, f"{where} serves {method} drafts for {ok[0]} with draftsmith's vLLM plugin (installed "
-                                 "there: it gives vLLM's own class the SupportsEagle3 interface)")
+                                 "there: it gives vLLM's own class the SupportsEagle3 interface; served count-equal "
+                                 f"with the in-tree decoder by {test} on {build})")
     if ok:
         return Servability(True, f"{where} serves {method} drafts for {ok[0]} (it implements SupportsEagle3)")
     arch = archs[0]
@@ -150,9 +176,8 @@ PLUGIN = Path(__file__).resolve().parent / "plugin"  # a distribution of its own
 PLUGIN_INSTALL = f"pip install {PLUGIN} with the vLLM environment's pip"
 
 
-def plugin_families() -> dict[str, tuple[str, ...]]:
-    """The architectures draftsmith's vLLM plugin extends and the methods verified through it for
-    each (its VERIFIED_METHODS; read from its source, which imports vllm only when it registers)."""
+def _plugin_source():
+    """draftsmith's vLLM plugin read from its source (it imports vllm only when it registers)."""
     name, package = "_draftsmith_vllm_plugin_source", PLUGIN / "draftsmith_vllm_plugin"
     if name not in sys.modules:  # a package (it imports its own modules), not vLLM's installed copy
         spec = importlib.util.spec_from_file_location(name, package / "__init__.py",
@@ -160,14 +185,59 @@ def plugin_families() -> dict[str, tuple[str, ...]]:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    return dict(sys.modules[name].VERIFIED_METHODS)
+    return sys.modules[name]
+
+
+def plugin_families() -> dict[str, tuple[str, ...]]:
+    """The architectures draftsmith's vLLM plugin extends and the methods verified through it for
+    each (its VERIFIED_METHODS: served count-equal; none for a family no such run has shown)."""
+    plugin = _plugin_source()
+    return {arch: tuple(plugin.VERIFIED_METHODS.get(arch, {})) for arch in plugin.FAMILIES}
+
+
+def plugin_proofs() -> dict[tuple[str, str], tuple[str, str]]:
+    """(architecture, method) -> (the served, count-equal run that verified it, the vLLM build it ran on)."""
+    return {(arch, method): tuple(proof) for arch, methods in _plugin_source().VERIFIED_METHODS.items()
+            for method, proof in methods.items()}
 
 
 def target_servability(target: str | TargetSource, method: str) -> Servability:
     """`servability` for a target, read from its config alone (no weights)."""
     config = target_config(target)
-    return servability(target_architectures(target), method, is_longrope(config.get_text_config()),
-                       embedding_name(config))
+    source = target if isinstance(target, TargetSource) else resolve_target(target)
+    return servability(target_architectures(source), method, is_longrope(config.get_text_config()),
+                       embedding_name(config), target_hf_dir(source))
+
+
+def check_vllm_capture(target: str | TargetSource) -> None:
+    """`capture engine=vllm` reads the target's states through vLLM's extract_hidden_states, which
+    takes them only from a class with the SupportsEagle3 interface (as a draft does; whatever the
+    drafts captured for): refuse a target the installed vLLM has no such class for, before any work,
+    in one line (with the plugin's install line where draftsmith's vLLM plugin adds the interface)."""
+    require_vllm_python("capture engine=vllm")
+    source = target if isinstance(target, TargetSource) else resolve_target(target)
+    archs, folder = target_architectures(source), target_hf_dir(source)
+    report = _installed_report(archs, [folder]) if archs else None
+    if report is None:  # vLLM could not be asked: its engine start will say what is wrong
+        return
+    where = f"the installed vLLM {report['vllm']}"
+    read = next(iter(report["configs"].values()))
+    if not read.get("ok"):
+        raise DraftsmithError(f"capture engine=vllm: {where} cannot read {folder / 'config.json'} with its "
+                              f"transformers {report.get('transformers', '?')} ({read.get('error')}); upgrade "
+                              "transformers in the "
+                              "vLLM environment (with its pip), or capture with engine=hf")
+    rows = report["architectures"]
+    if any(row.get("supports_eagle3") for row in rows.values()):
+        return
+    arch = archs[0]
+    if rows[arch].get("registered") and arch in plugin_families():
+        raise DraftsmithError(f"capture engine=vllm: {where}'s {arch} does not implement SupportsEagle3, so vLLM "
+                              "cannot hand its hidden states out; install draftsmith's vLLM plugin, which adds it: "
+                              f"{PLUGIN_INSTALL} (or capture with engine=hf)")
+    why = "does not implement SupportsEagle3" if rows[arch].get("registered") else "is not a model it registers"
+    raise DraftsmithError(f"capture engine=vllm: {where} cannot capture this target's states: {arch} {why}; capture "
+                          "with engine=hf")
 
 
 def check_servable(target: str | TargetSource, methods: list[str], require: bool, stage: str) -> list[str]:

@@ -1,7 +1,8 @@
 """Ask the installed vLLM whether it can serve a draft for a target architecture. Runs with the
 Python of a vLLM environment (it imports only vllm and the standard library, never draftsmith):
 
-    .vllm-venv/bin/python trainer/vllm/runners/vllm_servable.py --architectures LlamaForCausalLM [...] --out result.json
+    .vllm-venv/bin/python trainer/vllm/runners/vllm_servable.py --architectures LlamaForCausalLM [...] \
+        [--configs TARGET_DIR ...] --out result.json
     .vllm-venv/bin/python trainer/vllm/runners/vllm_servable.py --all --out table.json     (every registered one)
 
 An EAGLE-3, DFlash or DSpark draft reads the target's aux hidden states, which vLLM takes only
@@ -14,11 +15,16 @@ class its SupportsEagle3; "transformers_backend" where vLLM runs the target thro
 Transformers backend (vllm/model_executor/models/transformers/), whose inner `model` is the HF
 base model itself, so that a draft shares the target's embedding only where HF names it
 `embed_tokens` or `embedding` (v1/spec_decode/llm_base_proposer.py, _maybe_share_embeddings).
+With --configs, each target folder's config.json read as vLLM reads it at engine start
+(vllm/transformers_utils/config.py get_config, with this environment's transformers, which may be
+older than draftsmith's): result.json's "configs" {folder: {"ok": bool, "error": its first line}}
+and "transformers" (this environment's version).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
@@ -29,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--architectures", nargs="*", default=[])
     ap.add_argument("--all", action="store_true", help="every architecture vLLM registers")
+    ap.add_argument("--configs", nargs="*", default=[], help="target folders whose config.json vLLM must read")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -37,6 +44,7 @@ def main() -> None:
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
     from vllm.plugins import load_general_plugins
+    from vllm.transformers_utils.config import get_config
 
     load_general_plugins()  # as every vLLM process does: draftsmith's plugin (trainer/vllm/plugin/), if installed
 
@@ -55,12 +63,20 @@ def main() -> None:
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         out[arch] = row
     methods = sorted({m for m in typing.get_args(SpeculativeMethod) if isinstance(m, str)})
-    report = {"vllm": vllm.__version__, "methods": methods, "architectures": out}
+    configs = {}
+    for folder in args.configs:  # as an engine start reads it (trust_remote_code off, as draftsmith's)
+        try:
+            get_config(folder, trust_remote_code=False)
+            configs[folder] = {"ok": True}
+        except Exception as err:  # whatever transformers or vLLM raise for a config they cannot read
+            configs[folder] = {"ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
+    report = {"vllm": vllm.__version__, "transformers": importlib.metadata.version("transformers"),
+              "methods": methods, "architectures": out, "configs": configs}
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(report, f, indent=1, sort_keys=True)
     os.replace(tmp, args.out)
-    print(json.dumps({k: v for k, v in out.items() if not args.all}), file=sys.stderr)
+    print(json.dumps({k: v for k, v in out.items() if not args.all} | configs), file=sys.stderr)
 
 
 if __name__ == "__main__":
