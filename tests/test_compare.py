@@ -282,8 +282,8 @@ def test_every_schedule_starts_at_one_and_passes_vllms_own_validator(tmp_path):
     require_vllm()
     path = tmp_path / "schedule.json"
     path.write_text(json.dumps(schedules["eagle3"]["num_speculative_tokens_per_batch_size"]))
-    check = ("import json, sys; from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule"
-             " as v; print(v(json.load(open(sys.argv[1]))))")
+    check = ("import json, sys; from vllm.v1.spec_decode.dynamic.utils import "
+             "validate_and_normalize_dynamic_sd_schedule as v; print(v(json.load(open(sys.argv[1]))))")
     r = subprocess.run([vllm_python(), "-c", check, str(path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     bad = tmp_path / "bad.json"
