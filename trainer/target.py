@@ -279,7 +279,7 @@ class Target:
         embedding matrix. vLLM's draft embeds with the target's `embed_tokens` module, and a
         target that scales embeddings (Gemma, by sqrt(H)) does so outside it, in its own
         forward (vllm/model_executor/models/gemma3.py embed_input_ids;
-        v1/spec_decode/llm_base_proposer.py shares `embed_tokens`). HF's Gemma embedding
+        v1/spec_decode/llm_base_proposer.py in vLLM 0.32 shares `embed_tokens`). HF's Gemma embedding
         module scales inside, so it is not what a draft sees."""
         emb = self.parts.embedding
         return emb if type(emb) is torch.nn.Embedding else RawEmbedding(emb.weight)

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from trainer.errors import DraftsmithError
 from trainer.families import served_max_model_len
-from trainer.vllm.env import log_cause, require_vllm_python, runner_env
+from trainer.vllm.env import RUNNERS, log_cause, require_vllm_python, runner_env, vllm034_python
 
 RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_generate.py"
 PIECES_RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_pieces.py"
@@ -68,6 +68,31 @@ def _run(cmd: list[str], out: Path, cache_root: Path | None, timeout: int) -> di
     if r.returncode != 0:
         raise DraftsmithError(f"vLLM run failed (exit {r.returncode}); the log is {log}; {log_cause(log)}")
     return json.loads(out.read_text())
+
+
+def load_in_vllm034(jobs: list[dict], timeout: int = 900) -> list[dict]:
+    """Each export built with vLLM 0.34's own draft class and its weights loaded (no forward: the
+    GPU wheel has no CPU kernels), in one process of the 0.34 environment: the results of
+    trainer/vllm/runners/vllm034_load.py, in order. jobs: {"target", "export", "dtype",
+    "num_speculative_tokens", "out"}."""
+    python = vllm034_python()
+    if python is None:
+        raise DraftsmithError("the vLLM 0.34 load check needs its environment: run scripts/setup_vllm034.sh (or set "
+                              "DRAFTSMITH_VLLM034_PYTHON to its python)")
+    first = Path(jobs[0]["out"])
+    first.parent.mkdir(parents=True, exist_ok=True)
+    jobs_file = first.with_suffix(".jobs.json")
+    jobs_file.write_text(json.dumps([{k: str(v) if isinstance(v, Path) else v for k, v in j.items()} for j in jobs]))
+    log = first.with_suffix(".log")
+    env = runner_env()
+    env.pop("VLLM_TARGET_DEVICE", None)  # the runner sets the CPU platform itself
+    with open(log, "w") as f:
+        r = subprocess.run([python, str(RUNNERS / "vllm034_load.py"), "--jobs", str(jobs_file)], stdout=f,
+                           stderr=subprocess.STDOUT, env=env, timeout=timeout)
+    if r.returncode != 0:
+        raise DraftsmithError(f"the vLLM 0.34 load check failed (exit {r.returncode}); the log is {log}; "
+                              f"{log_cause(log)}")
+    return [json.loads(Path(j["out"]).read_text()) for j in jobs]
 
 
 def run_vllm_pieces(target_dir: str, export_dir: Path, inputs: dict, out: Path, dtype: str = "float32",

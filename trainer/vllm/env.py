@@ -39,6 +39,15 @@ def vllm_python() -> str | None:
     return str(local) if local.is_file() else None
 
 
+def vllm034_python() -> str | None:
+    """The Python of the vLLM 0.34 environment (the GPU wheel installed lite, scripts/setup_vllm034.sh):
+    $DRAFTSMITH_VLLM034_PYTHON, else .vllm034-venv/ in the repo; None where there is none."""
+    env = os.environ.get("DRAFTSMITH_VLLM034_PYTHON")
+    local = Path(__file__).resolve().parents[2] / ".vllm034-venv" / "bin" / "python"
+    path = Path(env).expanduser() if env else local
+    return str(path) if path.is_file() else None
+
+
 _HAS_VLLM: dict[str, bool] = {}  # python -> whether it can import vllm (asked once per process)
 
 

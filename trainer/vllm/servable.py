@@ -111,7 +111,7 @@ NO_LONGROPE = ("dflash", "dspark")
 
 
 # The names vLLM's proposer looks for the target's token embedding under, in its inner `model`
-# (v1/spec_decode/llm_base_proposer.py, _maybe_share_embeddings).
+# (v1/spec_decode/llm_base_proposer.py in vLLM 0.32, _maybe_share_embeddings).
 SHARED_EMBEDDING_NAMES = ("embed_tokens", "embedding")
 
 

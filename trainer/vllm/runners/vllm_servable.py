@@ -14,7 +14,7 @@ the model runner raises "Model does not support EAGLE3 interface" otherwise). re
 class its SupportsEagle3; "transformers_backend" where vLLM runs the target through its
 Transformers backend (vllm/model_executor/models/transformers/), whose inner `model` is the HF
 base model itself, so that a draft shares the target's embedding only where HF names it
-`embed_tokens` or `embedding` (v1/spec_decode/llm_base_proposer.py, _maybe_share_embeddings).
+`embed_tokens` or `embedding` (v1/spec_decode/llm_base_proposer.py in vLLM 0.32, _maybe_share_embeddings).
 With --configs, each target folder's config.json read as vLLM reads it at engine start
 (vllm/transformers_utils/config.py get_config, with this environment's transformers, which may be
 older than draftsmith's): result.json's "configs" {folder: {"ok": bool, "error": its first line}}

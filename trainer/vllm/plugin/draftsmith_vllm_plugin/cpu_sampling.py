@@ -2,8 +2,9 @@
 this module corrects it where it finds it so.
 
 The rejection sampler expands each request's temperature (top-k, top-p) to one value per draft
-token with `expand_batch_to_tokens` (vllm/v1/sample/rejection_sampler.py), through a Triton kernel
-that the CPU platform replaces with a C++ op (vllm/utils/cpu_triton_utils.py, `_expand_kernel_impl`).
+token with `expand_batch_to_tokens` (vllm/v1/sample/rejection_sampler.py in vLLM 0.32; gone in 0.34,
+where nothing here applies), through a Triton kernel that the CPU platform replaces with a C++ op
+(vllm/utils/cpu_triton_utils.py in 0.32, `_expand_kernel_impl`).
 That replacement hands the op int64 copies of its float output and input: the op fills the copy,
 the output tensor (allocated with `new_empty`) is never written, and the target's logits at the
 draft positions are divided by whatever that memory held. Greedy decoding never reaches it (it
@@ -39,7 +40,10 @@ def correct() -> None:
 
     if not current_platform.is_cpu():
         return
-    from vllm.v1.sample import rejection_sampler
+    try:  # vLLM 0.32's V1 sampler; 0.34 has none (Model Runner V2's sampler, whose CPU path needs Triton)
+        from vllm.v1.sample import rejection_sampler
+    except ImportError:
+        return
 
     x, cu = torch.tensor([0.7, -1.0, 2.5]), torch.tensor([2, 3, 5], dtype=torch.int32)
     want = expand_batch_to_tokens(x, cu, 5, replace_from=-1, replace_to=1)
