@@ -80,11 +80,11 @@ def run(cfg: ExportConfig, argv=None) -> dict:
     served = target_servability(source, method)  # from the target's config alone
     if not served.servable and cfg.require_servable:
         raise DraftsmithError(f"export: {served.line} (require_servable=true; set it false to go on anyway)")
-    # the weights at most as trained (float32; bf16 and FP8 write less), the configs and the gate's report
-    check_space(out.parent if not out.exists() else out, sum(t.numel() * t.element_size() for t in state.values())
-                + (4 << 20), f"export into '{out}'")
     staging = fresh_output_dir(out, cfg.overwrite)  # refuses an existing output_dir before any work
     try:
+        # the weights at most as trained (float32; bf16 and FP8 write less), the configs and the gate's report
+        check_space(staging, sum(t.numel() * t.element_size() for t in state.values()) + (4 << 20),
+                    f"export into '{out}'")
         # produce: the export in a staging folder (BF16, or FP8 through Quark and its gate)
         target = load_target(source)
         formats.check_against_target(draft_cfg, target, draft_dir)

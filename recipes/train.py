@@ -208,7 +208,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
         ensure_dir(out, "output_dir")
         claim_output(out, "train")  # overwrite=true may replace what a killed run leaves
         if cfg.resume is None:  # what its checkpoints are trained on: a resumed run must train on the same
-            atomic_write_json(ensure_dir(out / "checkpoints") / TRAINED_ON, data)
+            atomic_write_json(out / TRAINED_ON, data)
     accelerator.wait_for_everyone()
     # produce (the loop) and publish (the trained draft folder)
     try:
@@ -219,7 +219,7 @@ def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict:
         raise
 
 
-TRAINED_ON = "data.json"  # in checkpoints/: the data the run's checkpoints were trained on
+TRAINED_ON = ".draftsmith-data.json"  # beside checkpoints/: the data the run's checkpoints were trained on
 
 
 def trained_on(data: str) -> dict:
@@ -233,13 +233,13 @@ def trained_on(data: str) -> dict:
 def check_resumed_data(out: Path, resume: str, data: dict) -> None:
     """A resumed run trains on the data its checkpoints were trained on, or is refused in one line
     (resumed on other data, the draft would name only the new data)."""
-    record = (out / "checkpoints" if resume == "latest" else Path(resume).parent) / TRAINED_ON
+    record = (out if resume == "latest" else Path(resume).parent.parent) / TRAINED_ON
     try:
         before = json.loads(record.read_text())
     except (OSError, ValueError):
         return  # a run from before the record was kept
     if before.get("sha256") != data["sha256"]:
-        raise DraftsmithError(f"resume={resume}: the checkpoints in '{record.parent}' were trained on "
+        raise DraftsmithError(f"resume={resume}: the checkpoints in '{record.parent / 'checkpoints'}' were trained on "
                               f"data={before.get('data')}, not data={data['data']} (another capture or prepared "
                               "folder); pass that data= to continue the run, or start a new output_dir")
 

@@ -531,17 +531,20 @@ def test_a_config_the_vllm_environment_cannot_read_is_not_servable(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "internlm3", "gemma3"])
-def test_a_vllm_capture_vllm_cannot_hand_states_out_for_is_refused_up_front(family, tmp_path, capsys):
+def test_a_vllm_capture_vllm_cannot_hand_states_out_for_is_refused_up_front(family, tmp_path, capsys,
+                                                                             monkeypatch):
     """`capture engine=vllm` needs the target's vLLM class to hand its states out (SupportsEagle3):
     one line before any work, never a vLLM start that fails minutes later, for a class without it
     (Mixtral), a config vLLM cannot read (InternLM3) and Gemma-3 without draftsmith's plugin (the
-    line names its install); nothing is written."""
+    line names its install; where the plugin is installed, vLLM is told to load no plugin,
+    VLLM_PLUGINS="", and asked afresh: a cache of its own); nothing is written."""
     from tests.conftest import require_vllm
     from tests.test_bad_input import one_line_error
 
     require_vllm()
     if family == "gemma3" and PLUGIN:
-        pytest.skip("draftsmith's vLLM plugin is installed here: vLLM hands Gemma-3's states out")
+        monkeypatch.setenv("VLLM_PLUGINS", "")  # vLLM's own switch: load only the plugins named
+        monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))  # the answer with the plugin is cached
     target_dir, _, _ = prepared_family(family, tmp_path)
     line = one_line_error(capsys, capture.main, [f"data={tmp_path / 'prepared'}", f"output_dir={tmp_path / 'c'}",
                                                  f"target={target_dir}", "engine=vllm", "draft_vocab_size=64",

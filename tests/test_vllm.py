@@ -481,10 +481,12 @@ def test_compare_serves_every_n_in_vllm_with_the_in_tree_counts(pipeline, tmp_pa
         for p in r["predictions"]:
             if p["concurrency"] == int(b):
                 assert not serving.faster(p["measured_runs"], best["measured_runs"]), (p, best)
-    assert r["recommendations"]["1"]["best"]["candidate"] == draft["name"]  # trained on these answers: it pays
+    at1 = r["recommendations"]["1"]  # trained on these answers: the fastest served at c=1, and served unless
+    assert at1["fastest"]["candidate"] == draft["name"]  # its gain is inside the noise of two servings
+    assert at1["best"]["candidate"] == draft["name"] or "within the noise" in at1["why"], at1
     dynamic = json.loads((tmp_path / "cmp" / "serve-dynamic.json").read_text())[draft["name"]]
     (first, last, n1), (four, end, n4) = dynamic["num_speculative_tokens_per_batch_size"]
-    assert (first, last, four, end) == (1, 3, 4, 4) and n1 >= 1
+    assert (first, last, four, end) == (1, 3, 4, 4) and n1 == at1["best"]["n"]
     assert "served" in out and "excluded" not in out and "served as: vLLM 0.32" in out
 
 
