@@ -536,15 +536,13 @@ def test_a_vllm_capture_vllm_cannot_hand_states_out_for_is_refused_up_front(fami
     """`capture engine=vllm` needs the target's vLLM class to hand its states out (SupportsEagle3):
     one line before any work, never a vLLM start that fails minutes later, for a class without it
     (Mixtral), a config vLLM cannot read (InternLM3) and Gemma-3 without draftsmith's plugin (the
-    line names its install; where the plugin is installed, vLLM is told to load no plugin,
-    VLLM_PLUGINS="", and asked afresh: a cache of its own); nothing is written."""
+    line names its install: only where the plugin is not installed); nothing is written."""
     from tests.conftest import require_vllm
     from tests.test_bad_input import one_line_error
 
     require_vllm()
-    if family == "gemma3" and PLUGIN:
-        monkeypatch.setenv("VLLM_PLUGINS", "")  # vLLM's own switch: load only the plugins named
-        monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))  # the answer with the plugin is cached
+    if family == "gemma3" and PLUGIN:  # (VLLM_PLUGINS="" here was followed by a served Gemma-3 run failing)
+        pytest.skip("draftsmith's vLLM plugin is installed here: vLLM hands Gemma-3's states out")
     target_dir, _, _ = prepared_family(family, tmp_path)
     line = one_line_error(capsys, capture.main, [f"data={tmp_path / 'prepared'}", f"output_dir={tmp_path / 'c'}",
                                                  f"target={target_dir}", "engine=vllm", "draft_vocab_size=64",

@@ -484,9 +484,12 @@ def test_compare_serves_every_n_in_vllm_with_the_in_tree_counts(pipeline, tmp_pa
     at1 = r["recommendations"]["1"]  # trained on these answers: the fastest served at c=1, and served unless
     assert at1["fastest"]["candidate"] == draft["name"]  # its gain is inside the noise of two servings
     assert at1["best"]["candidate"] == draft["name"] or "within the noise" in at1["why"], at1
-    dynamic = json.loads((tmp_path / "cmp" / "serve-dynamic.json").read_text())[draft["name"]]
-    (first, last, n1), (four, end, n4) = dynamic["num_speculative_tokens_per_batch_size"]
-    assert (first, last, four, end) == (1, 3, 4, 4) and n1 == at1["best"]["n"]
+    dynamic = json.loads((tmp_path / "cmp" / "serve-dynamic.json").read_text())
+    if any(rec["best"]["n"] for rec in r["recommendations"].values()):  # served at some load: its schedule
+        (first, last, n1), (four, end, n4) = dynamic[draft["name"]]["num_speculative_tokens_per_batch_size"]
+        assert (first, last, four, end) == (1, 3, 4, 4) and n1 == at1["best"]["n"]
+    else:  # never beyond the noise of plain decoding: no schedule to serve it with
+        assert draft["name"] not in dynamic
     assert "served" in out and "excluded" not in out and "served as: vLLM 0.32" in out
 
 
