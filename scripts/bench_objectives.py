@@ -24,21 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
+from bench_quality import budget_samples, run  # noqa: E402 (the scripts folder, put on the path above)
+
 DATASETS = ("gsm8k", "mtbench")
 PY = str(REPO / ".venv" / "bin" / "python")
-
-
-def run(cmd: list[str], what: str) -> None:
-    r = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    if r.returncode != 0:
-        raise SystemExit(f"{what} failed:\n{r.stderr[-3000:]}")
 
 
 def capture(out: Path, records: int) -> Path:
@@ -98,8 +92,6 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from bench_quality import budget_samples
-
     from trainer.data.evalsets import chat_prompt_ids, load_prompts
     from trainer.target import load_target
 

@@ -66,11 +66,14 @@ def _kl(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor
 
 
 def objective_rows(spec: dict[str, float], logits: torch.Tensor, p: torch.Tensor | None = None,
-                   label: torch.Tensor | None = None, eta: float = 3.0) -> torch.Tensor:
+                   label: torch.Tensor | None = None, eta: float = 3.0, logq: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """Σ_name weight x objective(name) per row [R]. logits [R, Vd] (the draft's, any dtype: computed
     in float32); p [R, Vd] the target's probabilities (every objective but ce); label [R] the
-    draft-vocabulary id ce trains toward (-1: not in the draft vocabulary, no ce loss there)."""
-    logq = torch.log_softmax(logits.float(), dim=-1)  # [R, Vd]
+    draft-vocabulary id ce trains toward (-1: not in the draft vocabulary, no ce loss there); logq:
+    log_softmax(logits) where the caller has it already (the step's acceptance reads it too)."""
+    if logq is None:
+        logq = torch.log_softmax(logits.float(), dim=-1)  # [R, Vd]
     total = logq.new_zeros(logq.shape[0])
     if p is not None:
         p = p.float()

@@ -322,9 +322,10 @@ def training_step(draft: DFlashDraft, batch: dict, labels: dict) -> StepMetrics:
 
     def slot_objective(hs, target, p_row):  # [r, H], [r], [r] -> loss [r], argmax draft id [r], α [r]
         logits = draft.logits(hs).float()  # [r, Vd]
+        logq = logits.log_softmax(-1)  # once: the objective and the acceptance
         p = labels["target_p"][p_row]  # [r, Vd] the target's distribution there
-        alpha = losses.acceptance(logits.log_softmax(-1), p).detach()
-        return losses.objective_rows(spec, logits, p, target, cfg.lk_eta), logits.argmax(-1), alpha
+        alpha = losses.acceptance(logq.detach(), p)
+        return losses.objective_rows(spec, logits, p, target, cfg.lk_eta, logq), logits.argmax(-1), alpha
 
     p_row = labels["target_row"].reshape(-1)[rows]
     row_loss, argmax, alpha = in_row_chunks(slot_objective, (hs, target, p_row), cfg.loss_chunk_rows)

@@ -214,7 +214,7 @@ def slot_losses(draft: DSparkDraft, hn, prev, target, target_p, target_outside, 
         ce = F.nll_loss(logq, target.clamp(min=0), reduction="none") * (target >= 0)
         loss = cfg.ce_weight * ce + cfg.tv_weight * l1
     else:
-        loss = losses.objective_rows(losses.parse_objective(cfg.loss), logits, p, target, cfg.lk_eta)
+        loss = losses.objective_rows(losses.parse_objective(cfg.loss), logits, p, target, cfg.lk_eta, logq)
     if draft.confidence_head is not None and cfg.confidence_weight > 0:
         c = draft.confidence_head(hn, draft.markov_head.markov_w1(prev))  # logit
         accept = (1 - 0.5 * l1).detach().clamp(0, 1)  # P(a draw from q is accepted) = 1 - TV(p, q)

@@ -391,13 +391,14 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
         target_p = p[b, i + 1 + k]  # [N, Vd] the target's distribution for token i+2+k
         hidden, logits = draft.step(tokens, hidden, base_pos + k, cache, rows=valid)  # logits [N, Vd]
         label = greedy[b, i + 1 + k] if greedy is not None else None  # [N] the target's greedy token, as a draft id
-        loss_k = losses.per_sample_mean(losses.objective_rows(spec, logits, target_p, label, cfg.lk_eta), valid)
+        logq = torch.log_softmax(logits.float(), dim=-1)  # [N, Vd] once: the objective and the acceptance
+        loss_k = losses.per_sample_mean(losses.objective_rows(spec, logits, target_p, label, cfg.lk_eta, logq), valid)
         loss = loss + (cfg.step_decay ** k) * loss_k
         step_loss.append(loss_k.detach())
         with torch.no_grad():
             # the target's top token outside the draft vocab is a sure reject under greedy verification
             hit = (logits.argmax(-1) == target_p.argmax(-1)) & in_vocab[b, i + 1 + k]
-            alpha.append(losses.acceptance(torch.log_softmax(logits.float(), -1), target_p).sum())
+            alpha.append(losses.acceptance(logq.detach(), target_p).sum())
         correct.append(hit.sum())
         count.append(valid.sum())
     return StepMetrics(loss=loss, position_loss=torch.stack(step_loss), correct=torch.stack(correct),
