@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -174,6 +176,20 @@ def skip_unless_ci(reason: str) -> None:
     if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
         pytest.fail(f"{reason} (DRAFTSMITH_REQUIRE_VLLM=1: CI skips nothing)")
     pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str):
+    """A tmpfs of `size` (mount's size=, e.g. 64k) mounted at the new folder `path` while the block
+    runs: a full disk on demand (root only; skipped elsewhere, except in CI, skip_unless_ci)."""
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if r.returncode != 0:
+        skip_unless_ci(f"cannot mount a small filesystem here: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
 
 
 def require_vllm() -> None:

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from recipes import capture, prepare
-from tests.conftest import REPO, skip_unless_ci
+from tests.conftest import REPO, small_filesystem
 from trainer import faults
 from trainer.capture import capture_batch, right_pad, token_budget_batches
 from trainer.config import CaptureConfig, PrepareConfig
@@ -249,16 +249,9 @@ def test_estimate_before_anything_runs_and_a_capture_that_cannot_fit_is_refused(
     bpt = bytes_per_token(3, 64, "float8_e4m3")
     assert f"bytes/token {bpt:,.1f}" in out and "fits" in out and "time:" in out, out
     assert not (tmp_path / "e").exists()
-    small = tmp_path / "small"
-    small.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True)
-    if r.returncode != 0:
-        skip_unless_ci(f"cannot mount a small filesystem here: {r.stderr.decode().strip()}")
-    try:
+    with small_filesystem(tmp_path / "small", "64k") as small:
         capture.main([*argv, f"output_dir={small / 'cap'}", "estimate=true", "store_dtype=float32"])
         assert "DOES NOT FIT" in capsys.readouterr().out
         one_line_error(capsys, capture.main, [*argv, f"output_dir={small / 'cap'}", "store_dtype=float32"],
                        "KiB free", "needs")
         assert not (small / "cap").exists()
-    finally:
-        subprocess.run(["umount", str(small)], check=False)

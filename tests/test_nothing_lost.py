@@ -15,7 +15,7 @@ import pytest
 from recipes import capture, cli, prepare, train
 from recipes import eval as eval_recipe
 from recipes import export_draft as export_recipe
-from tests.conftest import GOOD_CHATS, REPO, skip_unless_ci, write_jsonl
+from tests.conftest import GOOD_CHATS, REPO, skip_unless_ci, small_filesystem, write_jsonl
 from tests.test_bad_input import one_line_error
 
 TINY_EAGLE3 = REPO / "recipes" / "configs" / "tiny" / "eagle3.yaml"
@@ -618,12 +618,7 @@ def test_a_full_disk_is_found_before_training_and_is_one_line_anywhere(own, tiny
 
     from recipes._common import one_line_errors
 
-    small = tmp_path / "small"
-    small.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], capture_output=True)
-    if r.returncode != 0:
-        skip_unless_ci(f"cannot mount a small filesystem here: {r.stderr.decode().strip()}")
-    try:
+    with small_filesystem(tmp_path / "small", "256k") as small:
         one_line_error(capsys, train.main, ["--config", str(TINY_EAGLE3), f"data={own['capture']}",
                                             f"target={tiny_target_dir}", f"output_dir={small / 'd'}", "max_steps=4",
                                             "save_every=2"], "(the trained draft and its checkpoints) needs",
@@ -633,8 +628,6 @@ def test_a_full_disk_is_found_before_training_and_is_one_line_anywhere(own, tiny
         one_line_error(capsys, eval_recipe.main, ["--draft", str(trained_and_export[1]), "--num-prompts", "1",
                                                   "--output-dir", str(small / "ev")], "eval's report", "free")
         assert not any(small.iterdir())
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
     def writes(exc):
         bar = tqdm(total=10, desc="work")
