@@ -4,7 +4,8 @@ ShareGPT capture of SmolLM2-135M-Instruct and is measured the same way; the tabl
 dataset with its spread, and the teacher-forced acceptance α the training reported.
 
     .venv/bin/python scripts/bench_objectives.py --out runs/objectives [--records 300] [--budget 50000]
-        [--losses fkl,tv,lk,lk_hybrid,jsd,rkl] [--optimizers adamw,muon] [--prompts 24] [--max-new-tokens 64]
+        [--losses fkl,tv,lk,lk_hybrid,jsd,rkl] [--optimizers adamw,muon] [--cells fkl-adamw,lk_hybrid-muon]
+        [--prompts 24] [--group 4] [--max-new-tokens 64]
 
 1. Data: --records packaged ShareGPT records as written, max_length 1024, captured once (transformers
    engine, bfloat16 states, the EAGLE-3 layers, an 8,192-token draft vocabulary).
@@ -13,9 +14,10 @@ dataset with its spread, and the teacher-forced acceptance α the training repor
    batch 1; each pair differs only in draft.loss and optimizer (Muon: torch's, muon_lr = the recipe's
    learning rate, AdamW on the rest; trainer/optim.py).
 3. Measure: the in-tree decoder (it counts what vLLM counts: tests/test_vllm.py), greedy, N = 3,
-   --prompts GSM8K and --prompts MT-Bench prompts x --max-new-tokens each. The spread is the
-   standard error of τ over prompts (each prompt's accepted tokens per round), so two cells whose
-   difference is below about two standard errors are not told apart.
+   --prompts GSM8K and --prompts MT-Bench prompts x --max-new-tokens each, decoded --group prompts
+   at a time (batched; the counts are the decoder's either way). The spread is the standard error of
+   τ over those groups (each group's accepted tokens per round), so two cells whose difference is
+   below about two standard errors are not told apart.
 Every step is skipped when its output exists: a stopped run continues where it stopped.
 """
 
@@ -55,8 +57,8 @@ def train(cap: Path, out: Path, n: int, loss: str, optimizer: str) -> dict:
     return json.loads((out / "train_report.json").read_text())
 
 
-def measure(draft: Path, out: Path, prompts: dict, max_new: int) -> dict:
-    """τ per dataset (N = 3, greedy, in-tree) and its standard error over prompts."""
+def measure(draft: Path, out: Path, prompts: dict, max_new: int, group: int = 1) -> dict:
+    """τ per dataset (N = 3, greedy, in-tree) and its standard error over groups of `group` prompts."""
     from recipes._common import load_proposer
     from trainer.speculative import measure as decode
     from trainer.target import load_target
@@ -66,16 +68,18 @@ def measure(draft: Path, out: Path, prompts: dict, max_new: int) -> dict:
     target = load_target("smollm2-135m-instruct")
     proposer, _ = load_proposer(str(draft), target)
     res = {}
-    for ds, group in prompts.items():
+    for ds, batch in prompts.items():
         per = []
-        for p in group:  # one prompt at a time: its own τ, for the spread
-            s = decode(target, proposer, [p], max_new, 3, eos_token_ids=target.eos_token_ids)
+        for i in range(0, len(batch), group):  # a group at a time: its own τ, for the spread
+            s = decode(target, proposer, batch[i:i + group], max_new, 3, eos_token_ids=target.eos_token_ids,
+                       batch_size=group)
             per.append((s.counts()["num_drafts"], s.counts()["num_accepted_tokens"]))
         drafts, accepted = sum(d for d, _ in per), sum(a for _, a in per)
         taus = [1 + a / d for d, a in per if d]
         mean = sum(taus) / len(taus)
         se = math.sqrt(sum((t - mean) ** 2 for t in taus) / max(len(taus) - 1, 1) / len(taus))
-        res[ds] = {"tau": 1 + accepted / max(drafts, 1), "se": se, "rounds": drafts}
+        res[ds] = {"tau": 1 + accepted / max(drafts, 1), "se": se, "rounds": drafts, "groups": len(taus),
+                   "group": group}
     out.write_text(json.dumps(res))
     return res
 
@@ -87,7 +91,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=50000)
     ap.add_argument("--losses", default="fkl,tv,lk,lk_hybrid,jsd,rkl")
     ap.add_argument("--optimizers", default="adamw,muon")
+    ap.add_argument("--cells", default="", help="loss-optimizer pairs in this order, instead of the grid")
     ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--group", type=int, default=1, help="prompts decoded together (the spread is over groups)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
     out = Path(args.out)
@@ -99,21 +105,23 @@ def main() -> None:
     n, tokens = budget_samples(cap, args.budget)
     tok = load_target("smollm2-135m-instruct", head_only=True).tokenizer
     prompts = {ds: chat_prompt_ids(tok, load_prompts(ds, args.prompts)) for ds in DATASETS}
+    cells = ([tuple(c.rsplit("-", 1)) for c in args.cells.split(",")] if args.cells else
+             [(loss, opt) for opt in args.optimizers.split(",") for loss in args.losses.split(",")])
     rows = []
-    for optimizer in args.optimizers.split(","):
-        for loss in args.losses.split(","):
-            d = out / f"{loss}-{optimizer}"
-            report = train(cap, d, n, loss, optimizer)
-            tau = measure(d, d / "tau.json", prompts, args.max_new_tokens)
-            alpha = report["final"].get("alpha")
-            rows.append({"loss": loss, "optimizer": optimizer, "tau": tau, "alpha": alpha,
-                         "final_loss": report["final"].get("loss"), "seconds": report["seconds"]})
-            print(json.dumps({"loss": loss, "optimizer": optimizer, **{ds: round(tau[ds]["tau"], 3) for ds in DATASETS},
-                              "alpha": [round(a, 3) for a in alpha or []]}), flush=True)
-            (out / "results.json").write_text(json.dumps(rows, indent=1))
+    for loss, optimizer in cells:
+        d = out / f"{loss}-{optimizer}"
+        report = train(cap, d, n, loss, optimizer)
+        tau = measure(d, d / "tau.json", prompts, args.max_new_tokens, args.group)
+        alpha = report["final"].get("alpha")
+        rows.append({"loss": loss, "optimizer": optimizer, "tau": tau, "alpha": alpha,
+                     "final_loss": report["final"].get("loss"), "seconds": report["seconds"]})
+        print(json.dumps({"loss": loss, "optimizer": optimizer, **{ds: round(tau[ds]["tau"], 3) for ds in DATASETS},
+                          "alpha": [round(a, 3) for a in alpha or []]}), flush=True)
+        (out / "results.json").write_text(json.dumps(rows, indent=1))
     print(f"\nEAGLE-3 on SmolLM2-135M-Instruct, {tokens:,} training tokens ({n} ShareGPT samples, one epoch, batch 1, "
           f"3 TTT steps); τ at N = 3, greedy, in-tree, {args.prompts} prompts x {args.max_new_tokens} tokens "
-          "per dataset (± one standard error over prompts); α: the last logged teacher-forced acceptance per step")
+          f"per dataset (± one standard error over groups of {args.group}); "
+          "α: the last logged teacher-forced acceptance per step")
     print(f"{'loss':<11}{'optimizer':<10}" + "".join(f"{ds:>16}" for ds in DATASETS) + "   α per TTT step")
     for r in rows:
         print(f"{r['loss']:<11}{r['optimizer']:<10}"
