@@ -7,10 +7,19 @@ DFlash only this way, whatever the target's architecture) plus
     block_size, num_target_layers, target_hidden_size  ours to record (vLLM takes N from
                                                        num_speculative_tokens and ignores block_size)
     rope_parameters, max_position_embeddings           written explicitly (>= the target's)
+    layer_types, dflash_config.{swa_window_size, causal: false}
+                                                       only for a sliding-window draft (below)
 and never a top-level `eagle_aux_hidden_state_layer_ids`, which vLLM would read instead of
 target_layer_ids, without the +1. Weights keep our names (fc, hidden_norm, layers.N.*,
 norm); the embedding and LM head are the target's unless the draft has a reduced
 vocabulary (lm_head + d2t; vLLM skips t2d).
+
+A sliding-window draft (draft.sliding_window W): vLLM 0.32/0.34 qwen3_dflash.py
+_resolve_layer_attention gives layer i the window `dflash_config.swa_window_size` where
+`layer_types[i] == "sliding_attention"`, and _dflash_layer_causal makes such a layer CAUSAL
+unless `dflash_config.causal` (or a top-level `is_causal`) says otherwise: the draft's block is
+bidirectional, so `causal: false` is written with the window. The window itself (which keys a
+query sees) is trainer/drafts/dflash.py `window_mask`.
 """
 
 from __future__ import annotations
@@ -56,6 +65,19 @@ def target_layer_ids(draft: dict) -> list[int]:
     return [entering_to_output(i) for i in draft["aux_layer_ids"]]
 
 
+def sliding_window_fields(draft: dict) -> tuple[list[str] | None, dict]:
+    """(layer_types, the dflash_config keys) of a sliding-window draft, (None, {}) without one:
+    "sliding_attention" for the windowed layers (all, unless sliding_window_layers names some),
+    swa_window_size W, and causal false (vLLM makes a sliding layer causal by default)."""
+    window = draft.get("sliding_window")
+    if window is None:
+        return None, {}
+    L = draft["num_hidden_layers"]
+    layers = set(range(L) if draft.get("sliding_window_layers") is None else draft["sliding_window_layers"])
+    return (["sliding_attention" if i in layers else "full_attention" for i in range(L)],
+            {"swa_window_size": window, "causal": False})
+
+
 def config_json(draft: dict, target, fmt: str, dtype: str, num_draft_tokens: int, options: dict | None = None) -> dict:
     tcfg = target.model.config.get_text_config()
     rope = flat_rope(draft["rope_parameters"])  # one flat dict, whatever the target's layer types
@@ -75,7 +97,23 @@ def config_json(draft: dict, target, fmt: str, dtype: str, num_draft_tokens: int
     }
     if draft.get("draft_vocab_size") is not None:
         cfg["draft_vocab_size"] = draft["draft_vocab_size"]
+    layer_types, window = sliding_window_fields(draft)
+    if layer_types is not None:
+        cfg["layer_types"] = layer_types
+        cfg["dflash_config"].update(window)
     return cfg
+
+
+def describe_window(draft: dict) -> list[str]:
+    """The model card's line on a sliding-window draft (none without one)."""
+    layer_types, window = sliding_window_fields(draft)
+    if layer_types is None:
+        return []
+    layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    which = "every layer" if len(layers) == len(layer_types) else f"layers {layers}"
+    return [f"- attention: a sliding window of {window['swa_window_size']} positions in {which} (a query at "
+            f"position t sees the context and block keys at positions within {window['swa_window_size'] - 1} "
+            "of t; vLLM's `layer_types` \"sliding_attention\" and `dflash_config.swa_window_size`)"]
 
 
 def describe(manifest: dict) -> list[str]:
@@ -87,6 +125,7 @@ def describe(manifest: dict) -> list[str]:
             f"{draft['mask_token_id']}) in one forward",
             f"- context: `fc` fusing the target's hidden states at output-of-layer ids {target_layer_ids(draft)} "
             "(vLLM's `dflash_config.target_layer_ids`)",
+            *describe_window(draft),
             "- vocabulary: " + (f"{draft['draft_vocab_size']:,} of the target's {draft['vocab_size']:,} tokens (`d2t`)"
                                 if draft.get("draft_vocab_size") else "the target's LM head (not included)")
             + "; the token embedding is the target's (not included)",

