@@ -252,11 +252,20 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
     # Only the embedding, final norm and LM head are read (the decoder layers are never loaded)
     # unless this run's own processes make the states (online.engine=hf).
     target = load_target(source, "float32" if accelerator.device.type == "cpu" else "bfloat16", accelerator.device,
-                         head_only=cfg.online.engine != "hf")
+                         head_only=not cfg.online.hf_in_process)
     dataset, aux_ids, d2t, t2d, counts, data_desc = load_data(cfg, target)
+    if dataset.skipped:  # never cut: a longer sample is skipped, said here and counted in the data record
+        data_desc["skipped_longer_than_max_length"] = {"max_length": cfg.max_length, "samples": dataset.skipped}
+        if accelerator.is_main_process:
+            print(f"train: {dataset.skipped} of {dataset.skipped + len(dataset)} samples are longer than max_length "
+                  f"{cfg.max_length} tokens: skipped (raise max_length, or null to train on every sample whole)",
+                  file=sys.stderr)
+        if not len(dataset):
+            raise DraftsmithError(f"every sample of '{cfg.data}' is longer than max_length {cfg.max_length}; raise it "
+                                  "or set max_length=null")
     online = None
     if cfg.online.enabled:  # this rank's source of states: the target here, or vLLM producers
-        engine_len = served_max_model_len(target.model.config.get_text_config(), cfg.max_length + 1)
+        engine_len = served_max_model_len(target.model.config.get_text_config(), dataset.longest + 1)
         online = open_online(cfg.online, target=target, prepared=dataset, layer_ids=aux_ids,
                              max_model_len=engine_len, out=out, rank=accelerator.process_index,
                              world=accelerator.num_processes, barrier=accelerator.wait_for_everyone)

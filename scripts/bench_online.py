@@ -1,9 +1,12 @@
 """Benchmark: training without a capture. The same SmolLM2 samples (>= 60k tokens) and the same
 EAGLE-3 steps three ways: capture-then-train (a bfloat16 capture on disk, then the recipe), and
 online with the target in the trainer's process (online.engine=hf) and served by vLLM in its own
-process (online.engine=vllm, through Ray), both rounding to bfloat16 as the capture does.
+process (online.engine=vllm, through Ray), both rounding to bfloat16 as the capture does; and
+(--only ray) the hf target in a Ray actor beside the trainer (online.producer_resources), which
+reports the balance: the producer's tokens/s, the trainer's tokens/s while it is not waiting, and
+their ratio (how many trainer ranks one producer feeds for this target and draft).
 
-    .venv/bin/python scripts/bench_online.py --out runs/bench-online [--tokens 60000] [--only hf,vllm]
+    .venv/bin/python scripts/bench_online.py --out runs/bench-online [--tokens 60000] [--only hf,vllm,ray]
 
 Each run is a subprocess (the recipes' own command lines); measured in this run, side by side:
 wall time, the peak of the training data the run holds on disk (the capture folder; online, the
@@ -86,7 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=60_000, help="at least this many training tokens")
-    ap.add_argument("--only", default="capture,hf,vllm")
+    ap.add_argument("--only", default="capture,hf,vllm", help="of capture, hf, vllm, ray")
     ap.add_argument("--buffer-tokens", type=int, default=8192)
     args = ap.parse_args()
     out = args.out.resolve()
@@ -106,7 +109,7 @@ def main() -> None:
     train = ["--config", str(CONFIGS / "eagle3.yaml"), "epochs=1", "batch_size=1", "gradient_accumulation_steps=1",
              "max_length=1024", "log_every=20", "save_every=100000", f"max_samples={n}"]
     results = {}
-    runs = [r for r in ("capture", "hf", "vllm") if r in args.only.split(",")]
+    runs = [r for r in ("capture", "hf", "vllm", "ray") if r in args.only.split(",")]
     for name in runs:
         run = out / name
         if (run / "result.json").is_file():
@@ -124,24 +127,41 @@ def main() -> None:
                  "peak_disk": max(cap["peak_disk"], tr["peak_disk"]), "peak_rss": max(cap["peak_rss"], tr["peak_rss"])}
         else:
             env = {"OMP_NUM_THREADS": "2" if name == "hf" else "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
-            r = measured([PY, str(REPO / "recipes" / "train.py"), *train, f"data={prepared}",
-                          f"output_dir={run / 'draft'}", f"online.engine={name}", "online.store_dtype=bfloat16",
+            # ray: the hf target in a Ray actor (one CPU of a local cluster), the trainer beside it
+            placed = ["online.producer_resources={CPU: 1}"] if name == "ray" else []
+            r = measured([PY, str(REPO / "recipes" / "train.py"), *train, f"data={prepared}", *placed,
+                          f"output_dir={run / 'draft'}", f"online.engine={'hf' if name == 'ray' else name}",
+                          "online.store_dtype=bfloat16",
                           "online.draft_vocab_size=8192", f"online.buffer_tokens={args.buffer_tokens}",
                           "overwrite=true"], run / "draft" / ".online", env)
         report = json.loads((run / "draft" / "train_report.json").read_text())
         r.update(tokens=report["tokens"], tokens_per_s=report["tokens"] / r["seconds"], loss=report["final"]["loss"],
                  online=report["final"].get("online"))
+        line = r["online"] or {}
+        if name in ("vllm", "ray") and line:  # the balance: each side's rate while it works, and their ratio
+            busy = report["seconds"] - line.get("trainer_wait_s", 0.0)
+            r.update(producer_tokens_per_s=line["producer_tokens_per_s"],
+                     trainer_tokens_per_s=report["tokens"] / busy if busy > 0 else float("nan"))
+            r["ranks_per_producer"] = r["producer_tokens_per_s"] / r["trainer_tokens_per_s"]
         (run / "result.json").write_text(json.dumps(r, indent=1))
         results[name] = r
     base = results.get("capture")
     print(f"\n{'run':<26}{'wall s':>9}{'x':>7}{'peak disk MB':>14}{'peak RSS MB':>13}{'tok/s':>8}{'final loss':>12}")
     for name, r in results.items():
-        label = {"capture": "capture-then-train", "hf": "online, hf (in process)", "vllm": "online, vllm (Ray)"}[name]
+        label = {"capture": "capture-then-train", "hf": "online, hf (in process)", "vllm": "online, vllm (Ray)",
+                 "ray": "online, hf (Ray actor)"}[name]
         ratio = r["seconds"] / base["seconds"] if base else float("nan")
         print(f"{label:<26}{r['seconds']:>9.1f}{ratio:>7.2f}{r['peak_disk'] / 1e6:>14.1f}{r['peak_rss'] / 1e6:>13.0f}"
               f"{r['tokens_per_s']:>8.0f}{r['loss']:>12.4f}")
+    for name, r in results.items():
+        if "ranks_per_producer" in r:
+            line = r["online"]
+            print(f"{name}: producer {r['producer_tokens_per_s']:.0f} tok/s, trainer {r['trainer_tokens_per_s']:.0f} "
+                  f"tok/s while not waiting: one producer feeds {r['ranks_per_producer']:.2f} trainer ranks; the "
+                  f"trainer waited {line.get('trainer_wait_s', 0):.1f} s, the producer "
+                  f"{line.get('producer_blocked_s', 0):.1f} s ({line['bound']})")
     if base:
-        for name in ("hf", "vllm"):
+        for name in ("hf", "vllm", "ray"):
             if name in results:
                 print(f"{name}: peak disk {base['peak_disk'] / max(results[name]['peak_disk'], 1):.0f}x below the "
                       f"capture's; wall {results[name]['seconds'] / base['seconds']:.2f}x capture-then-train")

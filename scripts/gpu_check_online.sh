@@ -5,7 +5,9 @@
 # Then the same samples and steps captured and trained offline, for the ratio. Prints, from the
 # run's own train_report.json: the trainer's tokens/s, the producer's tokens/s, which side waited
 # (the run log's producer-bound / trainer-bound line), and the final losses side by side.
-# Prepared for a lent GPU machine: one short run (~5 min for SmolLM2).
+# Then two hf producers and (with 3+ devices) two trainer ranks through a Ray cluster this script
+# starts, placed by node resources (docs/online-cluster.md): the balance from both sides.
+# Prepared for a lent GPU machine: short runs (~8 min for SmolLM2).
 #
 #   scripts/gpu_check_online.sh [TARGET=embedded SmolLM2] [SAMPLES=200] [STEPS=200]
 #
@@ -62,4 +64,42 @@ print(f"online (vLLM producer): {online_s} s wall, {on['tokens'] / online_s:.0f}
 print(f"capture then train:     {offline_s} s wall, {off['tokens'] / offline_s:.0f} trained tok/s, final loss "
       f"{off['final']['loss']:.4f}")
 print(f"online / offline wall: {online_s / offline_s:.2f}x")
+PY
+
+# Then two hf producers (the target in Ray actors, docs/online-cluster.md) through a Ray cluster
+# started as a user starts one, the producers placed by the node's resources on device 0 (half of
+# it each), the trainer ranks on the other devices: two ranks (DDP) with 3+ devices, else one (on
+# device 1, or sharing device 0). The cluster is this script's own (its own temp dir and port),
+# stopped by its process group at exit, never `ray stop`.
+RAY_TMP=$(mktemp -d /tmp/dsray.XXXXXX)
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0  # this machine's own cluster (a real one: its token)
+RAY_PORT=${RAY_PORT:-6390}
+CUDA_VISIBLE_DEVICES=0 setsid .venv/bin/ray start --head --block --port=$RAY_PORT --temp-dir="$RAY_TMP" \
+    --include-dashboard=false --disable-usage-stats --num-gpus=1 --resources='{"producer_node": 2}' \
+    > "$OUT/ray-head.log" 2>&1 &
+RAY_PID=$!
+trap 'kill -9 -- -$RAY_PID 2>/dev/null || true' EXIT
+for _ in $(seq 60); do grep -q "Ray runtime started" "$OUT/ray-head.log" && break; sleep 1; done
+address=$(grep -o "ray start --address='[^']*'" "$OUT/ray-head.log" | head -1 | cut -d"'" -f2)
+[ -n "$address" ] || { echo "gpu_check_online: the Ray head did not start; see $OUT/ray-head.log" >&2; exit 1; }
+ranks=1; rank_devices=0; hf_launch=(.venv/bin/python)
+[ "$ngpu" -ge 2 ] && rank_devices=1
+if [ "$ngpu" -ge 3 ]; then ranks=2; rank_devices=1,2
+    hf_launch=(.venv/bin/accelerate launch --multi_gpu --num_processes 2); fi
+t3=$(date +%s)
+CUDA_VISIBLE_DEVICES=$rank_devices "${hf_launch[@]}" recipes/train.py "${common[@]}" "data=$OUT/prepared" \
+    "output_dir=$OUT/online-hf" online.engine=hf online.store_dtype=bfloat16 "online.address=$address" \
+    "online.producer_resources={producer_node: 1, GPU: 0.5}" online.data_parallel_size=2 2>&1 \
+    | tee "$OUT/online-hf.log" | { grep -E "online: buffer|trainer-bound|producer-bound|error" || true; }
+t4=$(date +%s)
+.venv/bin/python - "$OUT" $((t4 - t3)) $ranks <<'PY'
+import json, sys
+out, wall, ranks = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+r = json.load(open(f"{out}/online-hf/train_report.json"))
+line = r["final"]["online"]
+busy = r["seconds"] - line["trainer_wait_s"]
+print(f"online (2 hf producers, {ranks} rank(s), Ray cluster): {wall} s wall, {r['tokens'] / wall:.0f} trained tok/s; "
+      f"producers {line['producer_tokens_per_s']:.0f} tok/s, trainer {r['tokens'] / busy:.0f} tok/s while not "
+      f"waiting; trainer waited {line['trainer_wait_s']:.1f} s, producers {line.get('producer_blocked_s', 0):.1f} s "
+      f"({line['bound']}); buffer peak {line.get('buffer_peak_tokens')} tokens")
 PY

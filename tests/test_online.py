@@ -292,7 +292,11 @@ def test_a_vllm_producer_runs_the_target_in_its_own_dtype(tmp_path):
 
 @pytest.mark.parametrize("setting,expect", [
     (["online.engine=hf", "online.gpu_memory_utilization=0.5"], "are online.engine=vllm settings"),
-    (["online.engine=hf", "online.data_parallel_size=2"], "are online.engine=vllm settings"),
+    (["online.engine=hf", "online.tensor_parallel_size=2"], "are online.engine=vllm settings"),
+    (["online.engine=vllm", "online.producer_resources={producer_node: 1}"], "vLLM producers run on the first"),
+    (["online.engine=hf", "online.producer_resources={producer_node: 0}"], "producer_node must be > 0"),
+    (["online.engine=hf", "online.producer_resources={nowhere: 1}"],  # a local cluster has none: not a hang
+     "online.producer_resources={\"nowhere\": 1}: the Ray cluster at "),
     (["online.engine=vllm", "online.gpu_memory_utilization=1.5"], "online.gpu_memory_utilization=1.5; use a fraction"),
     (["online.engine=vllm", "online.buffer_tokens=0"], "online.buffer_tokens=0; use >= 1"),  # the key given, alone
     (["online.engine=vllm", "online.concurrency=0"], "online.concurrency=0; use >= 1"),
@@ -306,5 +310,8 @@ def test_an_online_setting_that_cannot_work_is_one_line(setting, expect, tiny_ca
 
     argv = ["--config", str(TINY / "eagle3.yaml"), f"data={tiny_capture.parent / 'prepared'}",
             f"target={tiny_target_dir}", f"output_dir={tmp_path / 'out'}", *setting]
-    one_line_error(capsys, train.main, argv, expect)
+    try:
+        one_line_error(capsys, train.main, argv, expect)
+    finally:
+        ray.shutdown()  # the local cluster the first rank started
     assert not (tmp_path / "out").exists()

@@ -42,11 +42,16 @@ class OnlineConfig:
     # Epochs after the first re-run the target, except for the first cache_tokens tokens' states,
     # kept on local disk while the run lasts (0: none; the disk it costs: cache_tokens x bytes/token)
     cache_tokens: int = 0
-    address: str | None = None  # vllm: a Ray cluster to join ("auto", host:port); null: one started here
+    address: str | None = None  # a Ray cluster to join ("auto", host:port); null: one started here
+    # hf: the Ray resources each producer asks for (e.g. {producer_node: 1}, a resource a node was
+    # started with: `ray start --resources='{"producer_node": 1}'`; CPU and GPU as Ray counts
+    # them): the target then runs in Ray actors on such nodes, not in the trainer processes; so it
+    # does with online.address or data_parallel_size > 1 set (docs/online-cluster.md)
+    producer_resources: dict[str, float] | None = None
     devices: list[str] | None = None  # vllm: the producer's devices (null: the visible ones)
     tensor_parallel_size: int = 1  # vllm: devices per engine
     pipeline_parallel_size: int = 1  # vllm: pipeline stages per engine
-    data_parallel_size: int = 1  # vllm: producers side by side
+    data_parallel_size: int = 1  # producers side by side, sharing every rank's stream
     concurrency: int = 8  # vllm: sequences an engine prefills together (its max_num_seqs)
     # vllm: the fraction of each device an engine takes (null: vLLM's 0.9); below it, a trainer
     # sharing the device keeps the rest (one GPU holding both)
@@ -55,6 +60,11 @@ class OnlineConfig:
     @property
     def enabled(self) -> bool:
         return self.engine is not None
+
+    @property
+    def hf_in_process(self) -> bool:
+        """hf with the target in each trainer process (no Ray producers)."""
+        return self.engine == "hf" and not (self.address or self.producer_resources or self.data_parallel_size > 1)
 
 
 @dataclass
@@ -75,7 +85,9 @@ class TrainConfig:
     max_samples: int | None = None  # train on the first N samples of the data only (a data budget); null: all
     batch_size: int = 1  # samples per process per micro-batch
     gradient_accumulation_steps: int = 1
-    max_length: int = 2048  # samples are truncated to this many tokens
+    # tokens per sample: a longer one is skipped, never cut, counted in one line and in the trained
+    # folder's data record; null: every sample whole (prepare bounded them by the target's context)
+    max_length: int | None = None
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 10
@@ -102,6 +114,10 @@ class TrainConfig:
     require_servable: bool = False  # as capture's: an error, not a warning, when vLLM cannot serve the draft
 
     def validate(self) -> None:
+        refused = getattr(get(self.algorithm), "REFUSED_DRAFT_KEYS", {})  # {key: why}: one line, before the schema
+        for key in refused:
+            if isinstance(self.draft, dict) and self.draft.get(key) is not None:
+                raise ConfigError(refused[key])
         self.draft = load_section(get(self.algorithm).Config, self.draft, "draft")
         o = self.online
         if o.engine is not None and o.engine not in ONLINE_ENGINES:
@@ -123,19 +139,27 @@ class TrainConfig:
         if o.start_timeout_s <= 0:
             raise ConfigError(f"online.start_timeout_s={o.start_timeout_s:g}; use > 0 (the seconds the producer may "
                               "take to start and hand its first states)")
-        vllm_only = o.address or o.devices or o.gpu_memory_utilization or o.target_dtype or max(
-            o.tensor_parallel_size, o.pipeline_parallel_size, o.data_parallel_size) > 1
+        vllm_only = o.devices or o.gpu_memory_utilization or o.target_dtype or max(
+            o.tensor_parallel_size, o.pipeline_parallel_size) > 1
         if o.engine == "hf" and vllm_only:
-            raise ConfigError("online.address, devices, gpu_memory_utilization, target_dtype and "
-                              "tensor/pipeline/data_parallel_size are online.engine=vllm settings; the hf engine runs "
-                              "in each trainer process, in its dtype (float32 on the CPU, else bfloat16)")
+            raise ConfigError("online.devices, gpu_memory_utilization, target_dtype and "
+                              "tensor/pipeline_parallel_size are online.engine=vllm settings; the hf engine runs "
+                              "in the trainer's dtype (float32 on the CPU, else bfloat16), placed by "
+                              "online.producer_resources")
+        if o.engine == "vllm" and o.producer_resources:
+            raise ConfigError("online.producer_resources places hf producers on Ray nodes; vLLM producers run on "
+                              "the first trainer rank's machine, on online.devices")
+        bad = {k: v for k, v in (o.producer_resources or {}).items() if not v > 0}
+        if bad:
+            raise ConfigError(f"online.producer_resources={dict(o.producer_resources)}: {', '.join(bad)} must be > 0 "
+                              "(the amount of that Ray resource each producer asks for)")
         if self.draft.aux_layer_ids is not None:
             check_layer_ids(self.draft.aux_layer_ids, "draft.aux_layer_ids")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise ConfigError(f"mixed_precision={self.mixed_precision!r}; use auto, no, bf16 or fp16")
         for key in ("epochs", "batch_size", "gradient_accumulation_steps", "save_every", "keep_last",
                     "log_every", "max_length"):
-            if getattr(self, key) < 1:
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps={self.max_steps}; use >= 1, or null to train `epochs` full epochs")

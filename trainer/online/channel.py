@@ -32,6 +32,7 @@ import time
 from collections import deque
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from trainer.errors import DraftsmithError
 
@@ -48,6 +49,7 @@ class Channel:
         self.expected = [0] * ranks  # the seq each rank takes next
         self.held = [0] * ranks  # tokens each rank's buffer holds
         self.reserved = [0] * ranks  # tokens handed out for each rank and not yet taken (held included)
+        self.peak = [0] * ranks  # the most `reserved` has been: at most the capacity, or one sample
         self.capacity = capacity_tokens
         self.epoch = [0] * ranks  # what each rank takes now: results of other epochs are dropped
         self.cond = asyncio.Condition()
@@ -102,6 +104,7 @@ class Channel:
                 if len(picked) < most and rank not in held_back and self._fits(r):
                     picked.append(r)
                     self.reserved[rank] += len(r[4])
+                    self.peak[rank] = max(self.peak[rank], self.reserved[rank])
                 else:
                     held_back.add(rank)  # nothing of this rank goes out past one held back
                     kept.append(r)
@@ -155,7 +158,8 @@ class Channel:
         last = max((when for _, when in self.producers.values()), default=None)
         return {"producer": together, "producers": reports,
                 "since_report_s": None if last is None else time.time() - last,
-                "held_tokens": list(self.held), "reserved_tokens": list(self.reserved),
+                "held_tokens": list(self.held), "reserved_tokens": list(self.reserved), "peak_tokens": list(self.peak),
+                "node": ray.get_runtime_context().get_node_id(),
                 "requests": len(self.requests)}
 
     async def close(self, why: str | None = None) -> None:
@@ -178,7 +182,7 @@ def join_cluster(address: str | None) -> str:
             try:
                 ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
             except ConnectionError as err:  # "auto" with no cluster on this machine
-                raise DraftsmithError(f"online.address={address}: no Ray cluster to join ({_first_line(err)}); start "
+                raise DraftsmithError(f"online.address={address}: no Ray cluster to join ({first_line(err)}); start "
                                       "one (`ray start --head`) or set online.address=null to start one here") from None
         else:
             ray.init(num_cpus=1, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
@@ -187,8 +191,10 @@ def join_cluster(address: str | None) -> str:
 
 def open_channel(name: str, ranks: int, capacity_tokens: int):
     """The run's channel (made by the first rank; the handle must be kept: Ray collects an
-    actor nobody holds)."""
-    return Channel.options(name=name, namespace=NAMESPACE).remote(ranks, capacity_tokens)
+    actor nobody holds), on the first rank's own Ray node: the ranks' buffers live beside the
+    trainer, and the states cross from a producer's node once, through the object store."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return Channel.options(name=name, namespace=NAMESPACE, scheduling_strategy=here).remote(ranks, capacity_tokens)
 
 
 def find_channel(name: str, timeout: float = 120.0):
@@ -223,6 +229,6 @@ def probe_cluster(address: str, timeout: float = PROBE_S) -> None:
                               "set online.address=null to start one on this machine") from None
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__

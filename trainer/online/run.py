@@ -1,20 +1,23 @@
 """An online run's source of states, set up for every trainer rank: the target here (hf), or
-vLLM producers joined to the run's Ray channel (vllm), started by the first rank on this
-machine (`online.address` null: a local Ray cluster) or joining a cluster the user started
-across machines (`online.address`)."""
+producers joined to the run's Ray channel, started by the first rank: hf producers as Ray actors
+on the nodes `online.producer_resources` picks (trainer/online/producer.py), or vLLM producers
+on this machine (trainer/vllm/online.py); on a local Ray cluster (`online.address` null) or one
+the user started across machines (`online.address`, docs/online-cluster.md)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from trainer.data.collate import PreparedSamples
 from trainer.data.shards import bytes_per_token
 from trainer.io import atomic_write_json, cache_root
 from trainer.online.channel import find_channel, join_cluster, open_channel
+from trainer.online.producer import node_line, start_hf_producers
 from trainer.online.sources import CachedSource, ChannelSource, HFSource, Watch
 from trainer.vllm.online import served_dtype, settings_for, start_producers
 
@@ -54,32 +57,56 @@ def open_online(cfg, *, target, prepared: PreparedSamples, layer_ids: list[int],
 
 
 def _open(cfg, target, prepared, layer_ids, max_model_len, out, rank, world, barrier) -> Online:
-    if cfg.engine == "hf":
+    if cfg.hf_in_process:
         return Online(HFSource(target, prepared, layer_ids, cfg.store_dtype, cfg.max_tokens_per_batch,
                                cfg.buffer_tokens))
     work = out / ".online"
     producer = channel = None
-    dtype = cfg.target_dtype or served_dtype(target.hf_dir)
+    hf = cfg.engine == "hf"
+    dtype = None if hf else cfg.target_dtype or served_dtype(target.hf_dir)
+    run = None
     if rank == 0:
         address = join_cluster(cfg.address)
         name = f"draftsmith-{os.getpid()}-{int(time.time())}"
         channel = open_channel(name, world, cfg.buffer_tokens)
-        settings = settings_for(cfg, layer_ids, target.num_layers, max_model_len, dtype)
-        producer = start_producers(target.hf_dir, address, name, settings, work, cfg.data_parallel_size, cfg.devices)
-        atomic_write_json(out / RUN, {"address": address, "channel": name})
-    barrier()
-    run = json.loads((out / RUN).read_text())
+        if hf:
+            producer = start_hf_producers(target, name, layer_ids, cfg, address, cfg.start_timeout_s)
+        else:
+            settings = settings_for(cfg, layer_ids, target.num_layers, max_model_len, dtype)
+            producer = start_producers(target.hf_dir, address, name, settings, work, cfg.data_parallel_size,
+                                       cfg.devices)
+        run = {"address": address, "channel": name}
+        atomic_write_json(out / RUN, run)
+    run = share(run, world, barrier)  # not through the output folder: ranks on other machines may not share it
     if rank != 0:
         join_cluster(run["address"])
         channel = find_channel(run["channel"])
-    if producer is not None:  # the first rank watches them, and keeps their logs if the run's folder goes
+    if hf and producer is not None:
+        watch = Watch(producer.describe, lambda: _todo(out, lambda: None) + producer.todo(), producer.alive)
+    elif producer is not None:  # the first rank watches them, and keeps their logs if the run's folder goes
         watch = Watch(producer.describe, lambda: _todo(out, lambda: producer.keep_logs(cache_root() / LOGS / name)),
                       producer.alive)
     else:
         watch = Watch(lambda: f"the producer of channel {run['channel']}", lambda: _todo(out, lambda: None))
     source = ChannelSource(channel, rank, prepared, cfg.buffer_tokens, cfg.timeout_s, cfg.start_timeout_s, watch)
-    why = "" if cfg.target_dtype else ", its config's"
-    return Online(source, producer, channel, work, summary=f"; the vLLM producer runs the target in {dtype}{why}")
+    if hf:
+        where = "" if producer is None else f" on node {', '.join(node_line(w) for w in producer.where)}"
+        summary = (f"; {cfg.data_parallel_size} hf producer(s) through the Ray cluster at {run['address']}{where}, "
+                   f"resources {cfg.producer_resources or 'any'}")
+    else:
+        why = "" if cfg.target_dtype else ", its config's"
+        summary = f"; the vLLM producer runs the target in {dtype}{why}"
+    return Online(source, producer, channel, work, summary=summary)
+
+
+def share(obj, world: int, barrier):
+    """The first rank's `obj`, on every rank (torch.distributed's broadcast where several run)."""
+    barrier()
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _todo(out: Path, keep_logs) -> str:

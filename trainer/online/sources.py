@@ -58,6 +58,7 @@ class SourceStats:
     wait_s: float = 0.0
     producer: dict = field(default_factory=dict)  # separate producers' reports, together
     producers: list = field(default_factory=list)  # ... and each one's own
+    channel: dict = field(default_factory=dict)  # where the run's channel is, the most each rank's buffer held
 
     def line(self, train_s: float) -> dict:
         rate = self.producer.get("tokens_per_s") or (self.tokens / self.produce_s if self.produce_s else 0.0)
@@ -65,9 +66,12 @@ class SourceStats:
         blocked = self.producer.get("blocked_fraction")
         bound = "producer-bound" if waited > 0.2 else \
             "trainer-bound" if blocked is None or blocked > 0.2 else "balanced"
+        blocked_s = sum(p.get("blocked_s", 0.0) for p in self.producers)
         return {"producer_tokens_per_s": rate, "trainer_waited": waited, "producer_blocked": blocked, "bound": bound,
-                "tokens_received": self.tokens,
-                **({"producers": [{k: p.get(k) for k in ("pid", "tokens", "tokens_per_s", "blocked_fraction")}
+                "tokens_received": self.tokens, "trainer_wait_s": self.wait_s,  # the seconds each side waited
+                **({"producer_blocked_s": blocked_s} if self.producers else {}), **self.channel,
+                **({"producers": [{k: p.get(k) for k in ("pid", "node", "ip", "tokens", "tokens_per_s",
+                                                         "blocked_fraction", "blocked_s") if k in p}
                                   for p in self.producers]} if self.producers else {})}
 
 
@@ -266,6 +270,7 @@ class ChannelSource:
         try:
             status = ray.get(self.channel.status.remote(), timeout=10)
             self.stats.producer, self.stats.producers = status["producer"], status["producers"]
+            self.stats.channel = {"channel_node": status["node"], "buffer_peak_tokens": status["peak_tokens"]}
         except (ray.exceptions.RayError, TimeoutError):
             pass
 
