@@ -219,6 +219,27 @@ def compare_lines(report: dict, mine: dict, plot: bool) -> list[str]:
     return lines
 
 
+def context_lines(r: dict) -> list[str]:
+    """An eval report's τ, acceptance and in-tree tokens/s per context bucket, as a card table."""
+    if not r.get("context_buckets"):
+        return []
+    k = r["num_draft_tokens"]
+    cut = r["context_cutoff"]
+    return ["### τ per context length", "",
+            f"{r['context_buckets'][0]['prompts']} prompts per context length L (L - {r['max_new_tokens']} prompt "
+            f"tokens: documents and a question from ShareGPT), N={k}, in-tree on the machine that measured it:", "",
+            "| context | τ | " + " | ".join(f"acc@{i}" for i in range(1, k + 1)) + " | tokens/s | without "
+            "speculation | speedup |", "|" + "---|" * (k + 5)] + [
+        f"| {b['context']} | {b['tau']:.3f} | " + " | ".join(f"{a:.3f}" for a in b["conditional_acceptance"])
+        + f" | {b['tokens_per_s']:.1f} | {b['plain_tokens_per_s']:.1f} | {b['speedup']:.2f}x |"
+        for b in r["context_buckets"]] + [
+        "", (f"In-tree, speculation paid up to {cut['pays_up_to']} tokens of context" if cut["pays_up_to"] else
+             "In-tree, speculation did not pay at the shortest context measured")
+        + (f"; above it serve without speculation (from {cut['plain_from']} tokens plain decoding was faster)."
+           if cut["plain_from"] else " (at every context measured).")
+        + f" In vLLM: {policy.VLLM_CONTEXT}.", ""]
+
+
 def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None = None,
                comparison: tuple[dict, dict, bool] | None = None) -> str:
     target = dict(manifest["target"])
@@ -280,6 +301,8 @@ def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None 
                          + " | ".join("" if a is None else f"{a:.3f}" for a in acc)
                          + f" | {r['speedup']:.2f}x | {r['best_num_draft_tokens']['best_n']} |")
         lines.append("")
+        for r in reports:  # `draftsmith eval --context-buckets`: τ per context length
+            lines += context_lines(r)
         for r in reports:
             if (root / r["_dir"] / "acceptance.png").is_file():
                 lines += [f"![per-position acceptance on {r['dataset']}]({r['_dir']}/acceptance.png)", ""]

@@ -266,3 +266,13 @@ def prompt_ids(target, texts: list[str], draft: str, chat_template: str | None, 
               "is not the chat template the draft was trained with (the one its data was prepared with): its "
               "acceptance on these prompts may not be what it gets where served with its own", file=sys.stderr)
     return chat_prompt_ids(target.tokenizer, texts, template)
+
+
+def prompt_encoder(target, draft: str, chat_template: str | None, plain: bool, where: str):
+    """`prompt_ids` as a function of the texts (what a prompt builder measures its prompts with:
+    trainer/data/buckets.py), its template resolved and its warnings said once, here."""
+    prompt_ids(target, [], draft, chat_template, plain, where)  # the warnings, once
+    trained = draft_record(draft)[1].get("chat_template") if draft != "ngram" else None
+    template = None if plain else resolve_template(target.tokenizer, chat_template or trained, where,
+                                                   f"target {target.name}")
+    return lambda texts: chat_prompt_ids(target.tokenizer, texts, template, plain)

@@ -120,6 +120,7 @@ class Plan:
     lengths: list[int]
     fingerprint: dict
     bytes_per_token: float
+    too_long: dict | None = None  # the length limit and the prepared samples it skipped (fit_lengths)
 
 
 def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
@@ -142,7 +143,9 @@ def run(cfg: CaptureConfig, argv: list[str] | None = None) -> dict:
     target = load_target(source, cfg.target_dtype, state.device, head_only=cfg.engine == "vllm")
     # check: the data is this target's, the layers exist, the shards still to write fit
     check_data(cfg, target, ds, prepared)
+    ds, too_long = fit_lengths(cfg, target, ds, state.is_main_process)
     plan = make_plan(cfg, target, ds)
+    plan.fingerprint["max_length"], plan.too_long = too_long["max_length"], too_long
     if state.is_main_process:
         remaining = [k for k in plan.shards if not (out / MANIFEST).is_file()
                      and not (out / shard_name(k)).with_suffix(".json").is_file()]  # (verified later, hashed once)
@@ -202,6 +205,30 @@ def check_data(cfg: CaptureConfig, target, ds, prepared: dict) -> None:
         raise DataError(f"'{cfg.data}' holds token id {largest}, but {target.name}'s vocabulary has "
                         f"{target.vocab_size} "
                         "ids: it was not tokenized for this target; run `draftsmith prepare` with it")
+
+
+def fit_lengths(cfg: CaptureConfig, target, ds, say: bool) -> tuple:
+    """The prepared samples of at most max_length tokens (null: the target's context), and what
+    the limit skipped: {"max_length", "from", "skipped", "longest_skipped"}. A longer sample is
+    skipped, never cut; `say`: one line naming the limit when it bites."""
+    context = int(target.model.config.get_text_config().max_position_embeddings)
+    limit, whence = (cfg.max_length, "max_length") if cfg.max_length is not None else \
+        (context, "the target's context (max_position_embeddings)")
+    lengths = list(ds["length"])
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    report = {"max_length": limit, "from": whence, "skipped": len(over),
+              "longest_skipped": max((lengths[i] for i in over), default=None)}
+    if not over:
+        return ds, report
+    if len(over) == len(lengths):
+        raise DataError(f"every sample of '{cfg.data}' is longer than max_length {limit} tokens ({whence}); raise "
+                        "max_length or prepare with a smaller one")
+    if say:
+        print(f"capture: {len(over)} of {len(lengths)} prepared samples are longer than max_length {limit} tokens "
+              f"({whence}; the longest {report['longest_skipped']}): skipped, not cut, counted in the manifest",
+              file=sys.stderr)
+    keep = set(over)
+    return ds.select([i for i in range(len(lengths)) if i not in keep]), report
 
 
 def make_plan(cfg: CaptureConfig, target, ds) -> Plan:
@@ -283,7 +310,8 @@ def publish(cfg: CaptureConfig, target, ds, prepared: dict, plan: Plan, out: Pat
                    data={"path": str(cfg.data), "source": prepared["source"], "regenerated": prepared["regenerated"],
                          "chat_template_sha256": prepared["chat_template_sha256"],
                          "chat_template": prepared.get("chat_template")},  # the text: eval of its drafts uses it
-                   samples=plan.samples, entries=entries, counts=counts, draft_vocab_size=cfg.draft_vocab_size)
+                   samples=plan.samples, entries=entries, counts=counts, draft_vocab_size=cfg.draft_vocab_size,
+                   too_long=plan.too_long)
 
 
 def vocab_bytes(vocab_size: int) -> int:
@@ -368,6 +396,10 @@ def format_summary(m: dict) -> str:
         f"  draft vocab: {m['draft_vocab']['size']} tokens cover {100 * m['draft_vocab']['coverage']:.2f}% "
         "of loss-masked tokens",
     ]
+    if (m.get("too_long") or {}).get("skipped"):
+        t = m["too_long"]
+        lines.append(f"  {t['skipped']} prepared samples longer than max_length {t['max_length']} tokens ({t['from']}) "
+                     "skipped, not cut")
     if run.get("already_complete"):
         lines.append("  (already complete: nothing to do)")
     elif run:

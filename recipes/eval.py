@@ -7,6 +7,7 @@ from the draft's measured per-round cost.
     draftsmith eval --draft runs/smollm2-135m/eagle3 --dataset humaneval --temperature 0.7 num_prompts=8
     draftsmith eval --draft runs/demo/export-fp8 --dataset mtbench      (an export: BF16, or FP8 simulated)
     draftsmith eval --draft runs/smollm2-135m/dspark --ablation without_markov [--draft-option draft_topk=64]
+    draftsmith eval --draft runs/smollm2-135m/eagle3 --context-buckets 1024,2048,4096,8192   (τ per context length)
     python recipes/eval.py --config recipes/configs/smollm2-135m/eval.yaml
 
 Without --num-draft-tokens, an export is measured at the N it records (the N of its serve
@@ -16,6 +17,7 @@ its block's K-1; DSpark: its block's K).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -28,16 +30,18 @@ from recipes._common import (
     load_proposer,
     one_line_errors,
     parse_flags,
+    prompt_encoder,
     prompt_ids,
     target_for,
 )
 from trainer.config import EvalConfig, to_yaml
+from trainer.data.buckets import context_prompts
 from trainer.data.chat import read_template, template_file
 from trainer.data.evalsets import dataset_file, load_prompts
 from trainer.errors import DraftsmithError
-from trainer.io import atomic_write_json, check_space, ensure_dir, guard_output, write_run_files
-from trainer.metrics import CostModel, best_num_draft_tokens
-from trainer.speculative import NGramDraft, Sampling, measure
+from trainer.io import atomic_write_json, atomic_write_text, check_space, ensure_dir, guard_output, write_run_files
+from trainer.metrics import CostModel, best_num_draft_tokens, bucket_report, speculation_cutoff
+from trainer.speculative import DecodeStats, NGramDraft, Sampling, measure
 from trainer.target import load_target, resolve_target
 
 FLAGS = {"--target": ("target", "the target: an embedded alias, an HF model folder or a .gguf file"),
@@ -51,6 +55,9 @@ FLAGS = {"--target": ("target", "the target: an embedded alias, an HF model fold
          "--num-prompts": ("num_prompts", "prompts decoded"),
          "--max-new-tokens": ("max_new_tokens", "tokens generated per prompt"),
          "--batch-size": ("batch_size", "prompts decoded together"),
+         "--context-buckets": ("context_buckets", "τ per context length: e.g. 1024,2048,4096,8192, each bucket's "
+                                                  "--num-prompts prompts of L - max_new_tokens tokens (documents "
+                                                  "and a question from ShareGPT) instead of --dataset's"),
          "--output-dir": ("output_dir", "where report.json and acceptance.png go (checked before decoding)"),
          "--draft-sampling": ("draft_sampling", "greedy (vLLM's default: the draft's argmax) or probabilistic"),
          "--chat-template": ("chat_template", "a Jinja chat template file for the prompts (default: the one the "
@@ -89,12 +96,23 @@ def run(cfg: EvalConfig, argv=None) -> dict:
         raise DraftsmithError(f"ablation(s) {', '.join(unknown)} are not declared by {draft_name}; it declares "
                               f"{', '.join(draft.ABLATIONS) or 'none'}")
     N = default_num_draft_tokens(cfg.num_draft_tokens, draft)
-    prompts = prompt_ids(target, load_prompts(cfg.dataset, cfg.num_prompts), cfg.draft, cfg.chat_template,
-                         cfg.no_chat_template, "eval --chat-template")
+    if cfg.context_buckets:  # τ per context length: each bucket's own prompts, built to its length
+        sets, texts = bucket_prompts(cfg, target)
+    else:
+        sets, texts = {None: prompt_ids(target, load_prompts(cfg.dataset, cfg.num_prompts), cfg.draft,
+                                        cfg.chat_template, cfg.no_chat_template, "eval --chat-template")}, None
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     common = dict(sampling=sampling, eos_token_ids=target.eos_token_ids, batch_size=cfg.batch_size, seed=cfg.seed)
-    ar = measure(target, None, prompts, cfg.max_new_tokens, progress="eval: autoregressive", **common)
-    sp = measure(target, draft, prompts, cfg.max_new_tokens, N, progress="eval: speculative", **common)
+    ar, sp, buckets = DecodeStats(0), DecodeStats(N), []
+    for L, some in sets.items():  # each bucket decoded as a run of its own (the same seeds): the whole merged
+        where = f" ({L}-token context)" if L else ""
+        a = measure(target, None, some, cfg.max_new_tokens, progress=f"eval: autoregressive{where}", **common)
+        s = measure(target, draft, some, cfg.max_new_tokens, N, progress=f"eval: speculative{where}", **common)
+        ar.merge(a)
+        sp.merge(s)
+        if L:
+            buckets.append(bucket_report(L, [len(p) for p in some], s, a))
+    prompts = [p for some in sets.values() for p in some]
     ablations = {}
     for name in cfg.ablations:  # the same draft with the options the algorithm declares for `name`
         variant, _ = make_draft(cfg, target, **draft.ABLATIONS[name])
@@ -125,9 +143,19 @@ def run(cfg: EvalConfig, argv=None) -> dict:
         "best_num_draft_tokens": best,
         **({"ablations": ablations} if ablations else {}),
     }
+    if buckets:  # in-tree tokens/s per bucket: where plain decoding is the choice on this machine (a prediction
+        # for serving: `draftsmith compare --context-buckets` measures it served)
+        report.update(max_new_tokens=cfg.max_new_tokens)
+        report.update(dataset=f"context buckets {','.join(map(str, cfg.context_buckets))} (documents and a question "
+                              "from ShareGPT, trainer/data/buckets.py)", context_buckets=buckets,
+                      context_cutoff=speculation_cutoff([{"context": b["context"], "runs": [b["tokens_per_s"]],
+                                                          "plain_runs": [b["plain_tokens_per_s"]]} for b in buckets]))
     # publish: the report, its plot and run files (recorded in the export they measure, when inside it)
     ensure_dir(out, "output_dir")
     atomic_write_json(out / "report.json", report)
+    if texts:  # the bucket prompts as built: `--dataset jsonl:` of one bucket's measures them again
+        atomic_write_text(out / CONTEXT_PROMPTS, "".join(json.dumps({"context": L, "prompt": t}) + "\n"
+                                                         for L, t in texts))
     plot(report, out / "acceptance.png")
     write_run_files(out, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
                                         "seed": cfg.seed}, argv, stage="eval")
@@ -135,11 +163,28 @@ def run(cfg: EvalConfig, argv=None) -> dict:
     if (export_dir / formats.EXPORT_MANIFEST).is_file() and out.resolve().is_relative_to(export_dir.resolve()):
         # a report inside the export it measured: recorded there, so upload can trust it
         formats.record_added_files(export_dir, [out / n for n in ("report.json", "acceptance.png", "config.yaml",
-                                                                  "command.txt", "provenance.json")])
+                                                                  "command.txt", "provenance.json")]
+                                   + ([out / CONTEXT_PROMPTS] if texts else []))
     return report
 
 
 REPORT_BYTES = 8 << 20  # report.json, acceptance.png and the run files: well under this
+CONTEXT_PROMPTS = "context-prompts.jsonl"  # with --context-buckets: {"context", "prompt"} per prompt built
+
+
+def bucket_prompts(cfg: EvalConfig, target) -> tuple[dict[int, list[list[int]]], list[tuple[int, str]]]:
+    """Per context bucket L, cfg.num_prompts prompts of L - max_new_tokens tokens under the
+    prompts' chat template (trainer/data/buckets.py), and every prompt's text with its bucket."""
+    most = target.model.config.get_text_config().max_position_embeddings
+    if max(cfg.context_buckets) > most:
+        raise DraftsmithError(f"context bucket {max(cfg.context_buckets)} is longer than {target.name}'s context, "
+                              f"{most} tokens (max_position_embeddings in its config.json); use buckets up to {most}")
+    encode = prompt_encoder(target, cfg.draft, cfg.chat_template, cfg.no_chat_template, "eval --chat-template")
+    sets, texts = {}, []
+    for L in cfg.context_buckets:
+        some, sets[L] = context_prompts(target.tokenizer, encode, L - cfg.max_new_tokens, cfg.num_prompts)
+        texts += [(L, t) for t in some]
+    return sets, texts
 
 
 def check_output_dir(cfg: EvalConfig, source) -> Path:
@@ -214,6 +259,16 @@ def format_report(r: dict) -> str:
     if coverage < 1:
         rows.insert(3, f"  {coverage:.0%} of {r['speculative']['steps']} decoding steps had a proposal (the others "
                        "found no n-gram match: one token each, no round)")
+    if r.get("context_buckets"):  # τ per context length
+        rows += ["  context  prompt tokens    τ     tokens/s (plain)   speedup  conditional acceptance by position"]
+        rows += [f"  {b['context']:7d}  {b['prompt_tokens'][1]:13d}  {b['tau']:5.2f}  {b['tokens_per_s']:8.1f} "
+                 f"({b['plain_tokens_per_s']:.1f})  {b['speedup']:7.2f}x  "
+                 + " ".join(f"{a:.2f}" for a in b["conditional_acceptance"]) for b in r["context_buckets"]]
+        cut = r["context_cutoff"]
+        rows.append("  in-tree, this machine: " + (
+            f"speculation pays up to {cut['pays_up_to']} tokens of context" if cut["pays_up_to"] else
+            "speculation does not pay at the shortest bucket")
+            + (f"; plain decoding from {cut['plain_from']}" if cut["plain_from"] else " (every bucket measured)"))
     for name, a in r.get("ablations", {}).items():
         rows += [f"  {name}: τ {a['tau']:.3f} (the draft as trained: {r['tau']:.3f}, {r['tau'] / a['tau'] - 1:+.1%})"
                  if a["tau"] else f"  {name}: no rounds",
@@ -224,6 +279,8 @@ def format_report(r: dict) -> str:
 @one_line_errors
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [f"[{a}]" if i and argv[i - 1] == "--context-buckets" and not a.startswith("[") else a  # 1024,2048: a list
+            for i, a in enumerate(argv)]
     cfg = parse_flags(EvalConfig, argv, __doc__, FLAGS, SWITCHES, repeated=REPEATED, prog="draftsmith eval")
     report = run(cfg, argv)
     print(format_report(report))

@@ -44,6 +44,7 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
         hf_dir = target_hf_dir(target, digest)
         tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
         template = resolve_template(tokenizer, cfg.chat_template, WHERE, f"target {target.name}")
+        cfg.max_length, limit_from = length_limit(cfg.max_length, hf_dir, target.name)
         # produce: the conversations, the target's own answers when asked, the token ids
         chats = read_mixture(cfg.source, cfg.max_records, cfg.seed, cfg.strict,
                              progress=lambda records, desc: tqdm(records, desc=desc, unit="rec"))
@@ -60,6 +61,7 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
                             f"(skipped: {count_reasons(r for _, r in chats.skipped)}); {nothing_left_advice(chats)}")
         # publish: the data and its summary, then the folder in one rename
         summary = write_prepared(staging, ds, chats, source=cfg.source, max_length=cfg.max_length,
+                                 max_length_from=limit_from,
                                  regenerated=regenerated, records=records, target=target, target_sha256=digest,
                                  chat_template=template)
         write_run_files(staging, to_yaml(cfg), {"target": target.name, "target_sha256": digest, "seed": cfg.seed},
@@ -69,6 +71,18 @@ def run(cfg: PrepareConfig, argv: list[str] | None = None) -> dict:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return summary
+
+
+def length_limit(max_length: int | None, hf_dir, name: str) -> tuple[int, str]:
+    """(the tokens a conversation may have, where that limit comes from): `max_length`, or null
+    for the target's context; one line when max_length asks for more than the target takes."""
+    context = int(transformers.AutoConfig.from_pretrained(hf_dir).get_text_config().max_position_embeddings)
+    if max_length is None:
+        return context, "the target's context (max_position_embeddings)"
+    if max_length > context:
+        raise DataError(f"max_length {max_length} is longer than {name}'s context, {context} tokens "
+                        f"(max_position_embeddings in its config.json); use at most {context}, or null for it")
+    return max_length, "max_length"
 
 
 # what to do when every conversation was skipped for one of these (the most frequent reason decides)
@@ -176,6 +190,9 @@ def format_summary(s: dict) -> str:
         f"  turns dropped from kept conversations: {dropped}",
         f"  tokens: {s['tokens']:,} ({s['assistant_tokens']:,} assistant, loss-masked), longest {s['longest']}",
     ]
+    if s["skipped"].get("too_long"):  # the length limit, named where it bites
+        lines.append(f"  {s['skipped']['too_long']} conversations longer than max_length {s['max_length']} tokens "
+                     f"({s.get('max_length_from', 'max_length')}) skipped, not cut (reason too_long)")
     return "\n".join(lines)
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.serving import faster as beats_by_noise
+
 
 @dataclass
 class StepMetrics:
@@ -114,3 +116,38 @@ def sampled_acceptance_agreement(theirs: tuple[list[int], int], ours: tuple[list
         rows.append({"position": k + 1, "theirs": a / m1, "ours": b / m2, "counts": (a, m1, b, m2), "diff": diff,
                      "bound": sigmas * se, "agree": diff <= sigmas * se})
     return rows
+
+
+def bucket_report(context: int, prompt_tokens: list[int], speculative, autoregressive) -> dict:
+    """One context bucket of `draftsmith eval --context-buckets`: what eval reports for a whole
+    run, for this bucket's prompts alone (trainer.speculative.DecodeStats of the speculative and
+    the plain decode of them): τ, per-position acceptance, vLLM's counts, tokens/s and speedup."""
+    sp, ar = speculative, autoregressive
+    return {"context": context, "prompts": len(prompt_tokens), "prompt_tokens": [min(prompt_tokens),
+                                                                                max(prompt_tokens)],
+            "tau": sp.tau, "conditional_acceptance": sp.conditional_acceptance,
+            "cumulative_acceptance": sp.cumulative_acceptance, "counts": sp.counts(),
+            "tokens_per_s": sp.tokens_per_s, "plain_tokens_per_s": ar.tokens_per_s,
+            "speedup": sp.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0}
+
+
+def speculation_cutoff(buckets: list[dict], faster=beats_by_noise) -> dict:
+    """The context length above which serving without speculation is the choice, from per-bucket
+    throughputs: `buckets` [{"context": L, "runs": [speculative tokens/s, ...], "plain_runs": [...]}]
+    (repeated servings, or one figure each); `faster(a, b)`: whether runs a beat runs b beyond the
+    noise (default trainer/serving.py's rule: >= 2% and Welch's t-test). Speculation pays at a
+    bucket when it beats plain decoding by that rule; the simpler, plain decoding, is served
+    otherwise. Returns
+      pays_up_to   the largest bucket before the first one where speculation does not pay (the
+                   cut-off: speculate at or below it); None where it does not pay at the shortest
+      plain_from   that first bucket where it does not pay (the cut-off lies between the two, not
+                   measured finer); None where it pays at every bucket measured
+      regained     buckets above plain_from where it pays again (noise, or a draft that recovers;
+                   the cut-off stays the first crossing: the conservative one)."""
+    rows = sorted(buckets, key=lambda b: b["context"])
+    pays = [faster(b["runs"], b["plain_runs"]) for b in rows]
+    first = next((k for k, p in enumerate(pays) if not p), None)
+    return {"pays_up_to": rows[first - 1]["context"] if first else (rows[-1]["context"] if first is None else None),
+            "plain_from": rows[first]["context"] if first is not None else None,
+            "regained": [b["context"] for b, p in zip(rows[first + 1:], pays[first + 1:]) if p]
+            if first is not None else []}

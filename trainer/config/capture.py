@@ -38,6 +38,9 @@ class CaptureConfig:
     concurrency: int = 8  # vllm: sequences prefilled together (its max_num_seqs)
     estimate: bool = False  # print bytes/token, the disk the capture needs and the time it will take; capture nothing
     max_samples: int | None = None
+    # tokens per sample: a longer prepared sample is skipped (never cut), counted in the manifest and said
+    # in one line; null: the target's context (max_position_embeddings; states past it are not the target's)
+    max_length: int | None = None
     samples_per_shard: int = 256
     max_tokens_per_batch: int = 4096  # padded tokens per forward
     draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE  # Vd: the top-Vd loss-masked tokens (EAGLE-3 uses 32000)
@@ -64,6 +67,8 @@ class CaptureConfig:
                               "parallelism is `accelerate launch --num_processes N`")
         if self.samples_per_shard < 1 or self.max_tokens_per_batch < 1 or self.draft_vocab_size < 1:
             raise ConfigError("samples_per_shard, max_tokens_per_batch and draft_vocab_size must be >= 1")
+        if self.max_length is not None and self.max_length < 1:
+            raise ConfigError(f"max_length={self.max_length}; use >= 1, or null for the target's context")
         if self.max_samples is not None and self.max_samples < 1:
             raise ConfigError(f"max_samples={self.max_samples}; use >= 1, or null for every prepared sample")
         if not self.drafts:

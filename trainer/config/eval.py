@@ -39,6 +39,10 @@ class EvalConfig:
     draft_options: dict[str, Any] = field(default_factory=dict)
     ablations: list[str] = field(default_factory=list)
     batch_size: int = 1
+    # τ per context length: context lengths L (e.g. [1024, 2048, 4096, 8192]), each measured on its own
+    # num_prompts prompts of L - max_new_tokens tokens (documents followed by a question, from ShareGPT:
+    # trainer/data/buckets.py) instead of `dataset`'s; [] = off
+    context_buckets: list[int] = field(default_factory=list)
     output_dir: str = "runs/eval"
     seed: int = 0
     overwrite: bool = True  # a report folder is a measurement: re-running replaces it
@@ -52,6 +56,10 @@ class EvalConfig:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
         check_draft_sampling(self.draft_sampling)
+        self.context_buckets = sorted(set(self.context_buckets))
+        if self.context_buckets and min(self.context_buckets) <= self.max_new_tokens:
+            raise ConfigError(f"context bucket {min(self.context_buckets)} leaves no room for a prompt beside "
+                              f"max_new_tokens={self.max_new_tokens}; use buckets above it")
         if self.no_chat_template and self.chat_template is not None:
             raise ConfigError(f"chat_template={self.chat_template} and no_chat_template=true ask for both a template "
                               "and none; drop one of them")

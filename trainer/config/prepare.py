@@ -32,7 +32,7 @@ class RegenerateConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     truncated: str = "keep"  # an answer cut at max_new_tokens: keep it, or drop it (and the turns after it)
-    max_model_len: int | None = None  # prompt + answer tokens; null: prepare's max_length
+    max_model_len: int | None = None  # prompt + answer tokens; null: prepare's max_length (resolved)
     batch_size: int = 8  # hf: conversations per generate call
     concurrency: int = 32  # vllm: requests decoded together (its max_num_seqs; GPUs take hundreds)
     tensor_parallel_size: int = 1  # vllm: devices per engine (targets beyond one device)
@@ -52,7 +52,9 @@ class PrepareConfig:
     # deduplicated by the first user turn, counted per source in the summary
     source: Any = "sharegpt"
     max_records: int | None = None  # read at most this many records from the source
-    max_length: int = 2048  # tokens; longer conversations are skipped (reason too_long)
+    # tokens; a longer conversation is skipped (reason too_long), counted and said in one line, never cut;
+    # null: the target's context (max_position_embeddings in its config: SmolLM2's 8,192)
+    max_length: int | None = None
     strict: bool = False  # stop at the first bad record instead of skipping it
     num_proc: int = 1  # datasets.map workers for tokenization
     chat_template: str | None = None  # a Jinja template to use instead of the target's
@@ -61,7 +63,7 @@ class PrepareConfig:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
     def validate(self) -> None:
-        if self.max_length < 8:
+        if self.max_length is not None and self.max_length < 8:
             raise ConfigError(f"max_length={self.max_length} is too small; use at least 8 tokens")
         if self.max_records is not None and self.max_records < 1:
             raise ConfigError("max_records must be >= 1 (or null for all records)")

@@ -10,27 +10,44 @@ from trainer.data.shards import SCALES, CaptureReader, dequantize
 
 
 class CapturedSamples(Dataset):
-    def __init__(self, path, max_length: int, layer_ids: list[int] | None = None):
+    """A capture's samples. With `max_length` a sample longer than that many tokens is skipped,
+    never cut (a cut one would train the draft on a conversation that stops mid-answer):
+    `skipped` counts them and the recipe says so in one line; null: every sample whole."""
+
+    def __init__(self, path, max_length: int | None, layer_ids: list[int] | None = None):
         self.reader, self.max_length = CaptureReader(path, layer_ids), max_length
+        self.kept, self.longest = fitting(self.reader.lengths(), max_length)
+        self.skipped = len(self.reader) - len(self.kept)
 
     def __len__(self) -> int:
-        return len(self.reader)
+        return len(self.kept)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v[: self.max_length] for k, v in self.reader[i].items()}
+        return self.reader[self.kept[i]]
 
 
 class PreparedSamples(Dataset):
-    def __init__(self, ds, max_length: int):
+    """Prepared samples (token ids and loss mask: their states come from an online source), those
+    longer than `max_length` skipped and counted as CapturedSamples does."""
+
+    def __init__(self, ds, max_length: int | None):
         self.ds, self.max_length = ds, max_length
+        self.kept, self.longest = fitting(list(ds["length"]), max_length)
+        self.skipped = len(ds) - len(self.kept)
 
     def __len__(self) -> int:
-        return len(self.ds)
+        return len(self.kept)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        row = self.ds[i]
-        return {"input_ids": torch.tensor(row["input_ids"][: self.max_length]),
-                "loss_mask": torch.tensor(row["loss_mask"][: self.max_length])}
+        row = self.ds[self.kept[i]]
+        return {"input_ids": torch.tensor(row["input_ids"]), "loss_mask": torch.tensor(row["loss_mask"])}
+
+
+def fitting(lengths: list[int], max_length: int | None) -> tuple[list[int], int]:
+    """(the positions of the samples of at most `max_length` tokens, in order (all of them for
+    None); the longest of those)."""
+    kept = [i for i, n in enumerate(lengths) if max_length is None or n <= max_length]
+    return kept, max((lengths[i] for i in kept), default=0)
 
 
 STATES = ("aux_hidden_states", "last_hidden_state", "aux_scales", "last_scales")  # per token, stored dtype

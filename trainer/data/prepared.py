@@ -67,7 +67,8 @@ def tokenize(kept: list[dict], tokenizer, max_length: int, chat_template: str, n
 
 
 def write_prepared(folder: Path, ds, chats, *, source, max_length: int, regenerated: dict | None,
-                   records: list[dict] | None, target, target_sha256: str, chat_template: str) -> dict:
+                   records: list[dict] | None, target, target_sha256: str, chat_template: str,
+                   max_length_from: str = "max_length") -> dict:
     """The data, every regenerated answer and summary.json (last: it records the data's digest)
     into `folder`; returns the summary. `chats`: trainer.data.sources.Chats (counts per source)."""
     lengths = list(ds["length"])
@@ -88,7 +89,7 @@ def write_prepared(folder: Path, ds, chats, *, source, max_length: int, regenera
         "kept": len(ds), "skipped": count_reasons(r for _, r in chats.skipped),
         "dropped_turns": dict(sorted(chats.dropped.items())),
         "tokens": sum(lengths), "assistant_tokens": assistant,
-        "max_length": max_length, "longest": max(lengths),
+        "max_length": max_length, "max_length_from": max_length_from, "longest": max(lengths),
         "regenerated": regenerated is not None,
         **({"regenerate": regenerated} if regenerated else {}),  # engine, version, settings, throughput
         "target": target.name, "target_path": str(target.path), "target_sha256": target_sha256,

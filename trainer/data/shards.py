@@ -190,11 +190,12 @@ def completed_shard(out_dir: Path, k: int) -> dict | None:
 
 def write_manifest(out: Path, *, target, target_dtype: str, layer_ids: list[int], draft_layer_ids: dict,
                    store_dtype: str, engine: dict, data: dict, samples: int, entries: list[dict], counts: torch.Tensor,
-                   draft_vocab_size: int) -> dict:
+                   draft_vocab_size: int, too_long: dict | None = None) -> dict:
     """The capture's draft vocabulary (the `draft_vocab_size` most frequent loss-masked tokens of
     `counts`) and then its manifest, the mark of a complete capture. `entries`: every shard's
     sidecar, in order; `engine`: {engine, version, engines}; `data`: where the samples came
-    from (path, source, regenerated, the chat template and its sha256)."""
+    from (path, source, regenerated, the chat template and its sha256); `too_long`: the length
+    limit and what it skipped (recipes/capture.py `fit_lengths`)."""
     d2t, t2d = build_draft_vocab(counts, min(draft_vocab_size, target.vocab_size))
     atomic_save_safetensors(Path(out) / DRAFT_VOCAB, {"d2t": d2t, "t2d": t2d, "counts": counts})
     tokens = sum(e["tokens"] for e in entries)
@@ -217,6 +218,8 @@ def write_manifest(out: Path, *, target, target_dtype: str, layer_ids: list[int]
         },
         "draft_vocab": {"file": DRAFT_VOCAB, "size": int(d2t.numel()), "coverage": coverage(counts, t2d)},
         "shards": entries,
+        # the length limit and the prepared samples longer than it, skipped (never cut)
+        **({"too_long": too_long} if too_long is not None else {}),
     }
     atomic_write_json(Path(out) / MANIFEST, manifest)  # last: its presence marks the capture complete
     return manifest
@@ -412,6 +415,10 @@ class CaptureReader:
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def lengths(self) -> list[int]:
+        """Every sample's tokens, in order (from the shards' cu_seqlens: no state read)."""
+        return [int(self._cu[k][r + 1] - self._cu[k][r]) for k, r in self._index]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         k, r = self._index[i]
