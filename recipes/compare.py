@@ -45,9 +45,10 @@ from matplotlib.figure import Figure
 
 from export import formats, policy
 from export.hub import COMPARE_SIGNED
-from recipes._common import load_proposer, one_line_errors, parse_flags, prompt_ids, target_for
+from recipes._common import load_proposer, one_line_errors, parse_flags, prompt_encoder, prompt_ids, target_for
 from trainer import serving
 from trainer.config import CompareConfig, to_yaml
+from trainer.data.buckets import context_prompts
 from trainer.data.chat import read_template, template_file
 from trainer.data.evalsets import dataset_file, load_prompts
 from trainer.errors import DraftsmithError
@@ -63,7 +64,8 @@ from trainer.io import (
     sha256_file,
     write_run_files,
 )
-from trainer.speculative import DecodeStats, NGramDraft, TargetSession, generate
+from trainer.metrics import sampled_acceptance_agreement, speculation_cutoff
+from trainer.speculative import DecodeStats, NGramDraft, Sampling, TargetSession, generate
 from trainer.target import load_target, resolve_target
 from trainer.vllm import checks
 from trainer.vllm.env import require_vllm_python
@@ -72,6 +74,8 @@ FLAGS = {"--dataset": ("dataset", "gsm8k, math500, humaneval, mtbench, sharegpt 
          "--num-prompts": ("num_prompts", "prompts decoded per candidate and N"),
          "--max-new-tokens": ("max_new_tokens", "tokens generated per prompt"),
          "--concurrency": ("concurrency", "requests in flight to recommend for, e.g. 1,4,16"),
+         "--context-buckets": ("context_buckets", "also per context length, e.g. 1024,2048,4096,8192: τ, tokens/s and "
+                                                  "where serving without speculation wins, per candidate and load"),
          "--output-dir": ("output_dir", "where report.json, compare.png and serve-c*.json go"),
          "--chat-template": ("chat_template", "a Jinja chat template file for the prompts (default: the one the "
                                               "first draft's data was prepared with, else the target's)")}
@@ -117,14 +121,19 @@ def run(cfg: CompareConfig, argv=None) -> dict:
                               f"--num-prompts gives {len(prompts)} of {cfg.dataset}: raise it or lower the concurrency")
     print(f"compare: {len(candidates)} candidates on {len(prompts)} prompts of {cfg.dataset}, concurrency "
           f"{cfg.concurrency}", file=sys.stderr)
+    by_name = {c["name"]: c for c in candidates}
     for c in candidates:
+        if c.get("knob") and not c["in_tree_model"]:  # the in-tree decoder has no such knob: its draft's counts
+            c["by_n"] = {n: {"acceptance": m["acceptance"]} for n, m in by_name[c["base"]]["by_n"].items()}
+            continue
         c["by_n"] = {}
         for n in c["ns"]:
             print(f"compare: {c['name']} at N={n}, in-tree", file=sys.stderr)
-            c["by_n"][n] = {"acceptance": acceptance(target, c["proposer"], prompts, cfg.max_new_tokens, n)}
+            c["by_n"][n] = {"acceptance": acceptance(target, c["proposer"], prompts, cfg.max_new_tokens, n,
+                                                     cfg.temperature)}
     report = {"target": target.name, "target_sha256": target.content_hash, "dataset": cfg.dataset,
               "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "concurrency": cfg.concurrency,
-              "machine": machine(), "repeats": cfg.repeats if cfg.vllm else None}
+              "temperature": cfg.temperature, "machine": machine(), "repeats": cfg.repeats if cfg.vllm else None}
     if cfg.vllm:
         report.update(costs_measured_in=f"vLLM (every candidate served at every N and concurrency, the target in "
                                         f"{serving_dtype(cfg, candidates)})",
@@ -132,9 +141,13 @@ def run(cfg: CompareConfig, argv=None) -> dict:
     else:
         report.update(costs_measured_in="the in-tree decoder (--no-vllm: nothing served; vLLM's own step times "
                                         "differ, see the README)", **in_tree_costs(target, candidates, prompts, cfg))
+    report["knobs"] = knob_lines(cfg, candidates)
+    candidates[:] = [c for c in candidates if not c.get("unavailable")]  # a knob this vLLM lacks: one line, above
     report["candidates"] = [{k: v for k, v in c.items() if k != "proposer"} for c in candidates]
     report["recommendations"] = recommendations = recommend(report["predictions"], candidates, cfg.concurrency)
     report["dynamic_configs"] = dynamic_configs(cfg.concurrency, candidates, report["predictions"])
+    if cfg.context_buckets:  # τ and tokens/s per context length, and where serving without speculation wins
+        report.update(by_context(cfg, target, candidates))
     # publish: the report, the plot, a serving config per concurrency, the run files, built in a
     # sibling folder that replaces the output whole (no file of an earlier comparison stays beside
     # this report); the report's and the plot's sha256 in provenance.json (upload --compare checks them)
@@ -142,7 +155,8 @@ def run(cfg: CompareConfig, argv=None) -> dict:
     try:
         atomic_write_json(stage / "report.json", report)
         for b, r in recommendations.items():
-            atomic_write_json(stage / f"serve-c{b}.json", {"concurrency": b, "speculative_config": r["best"]["config"]})
+            atomic_write_json(stage / f"serve-c{b}.json", {"concurrency": b, "speculative_config": r["best"]["config"],
+                                                           **policy.context_note(report, r["best"]["candidate"], b)})
         atomic_write_json(stage / "serve-dynamic.json", report["dynamic_configs"])
         plot(report, stage / "compare.png")
         write_run_files(stage, to_yaml(cfg), {"target": target.name, "target_sha256": target.content_hash,
@@ -171,17 +185,61 @@ def make_candidates(cfg: CompareConfig, target) -> list[dict]:
             min(proposer.num_positions, proposer.max_draft_tokens)
         largest = max(largest, most)
         precision = f"FP8 {manifest['quantization']['scheme']}" if manifest.get("quantization") else manifest["dtype"]
-        out.append({"name": f"{manifest['algorithm']} {precision} ({d})", "export": str(d),
-                    "method": manifest["method"], "precision": precision, "ns": list(range(1, most + 1)),
-                    "config": {"method": manifest["method"], "model": str(Path(d).resolve())}, "proposer": proposer,
-                    "weights_sha256": manifest["files"][formats.WEIGHTS]["sha256"],
-                    "fp8": bool(manifest.get("quantization"))})
+        draft = {"name": f"{manifest['algorithm']} {precision} ({d})", "export": str(d),
+                 "method": manifest["method"], "precision": precision, "ns": list(range(1, most + 1)),
+                 "config": {"method": manifest["method"], "model": str(Path(d).resolve())}, "proposer": proposer,
+                 "weights_sha256": manifest["files"][formats.WEIGHTS]["sha256"],
+                 "fp8": bool(manifest.get("quantization"))}
+        out.append(draft)
+        out += knob_candidates(cfg, draft, target)
     if cfg.ngram:
         ngram = NGramDraft(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         out.append({"name": f"ngram (n {ngram.min_n}..{ngram.max_n})", "export": None, "method": "ngram",
                     "precision": None, "ns": list(range(1, max(largest, 4) + 1)),
                     "config": ngram.speculative_config(), "proposer": ngram})
     return out
+
+
+def knob_candidates(cfg: CompareConfig, draft: dict, target) -> list[dict]:
+    """The draft once more per vLLM knob (trainer/serving.py KNOBS) that can change its serving here:
+    served only where the installed vLLM has the knob (the runner says where not, in one line); a
+    knob that changes only sampled serving only when compare samples (temperature > 0)."""
+    if not cfg.vllm:
+        return []
+    out = []
+    for field, k in serving.KNOBS.items():
+        if k["sampled_only"] and cfg.temperature == 0:
+            continue
+        proposer = draft["proposer"]
+        if field == "draft_sample_method":  # the in-tree decoder samples its draft as vLLM does
+            proposer, _ = load_proposer(draft["export"], target, draft_sampling=k["value"])
+        out.append({**draft, "name": f"{draft['name']} + {field}={json.dumps(k['value'])}",
+                    "config": {**draft["config"], field: k["value"]}, "proposer": proposer,
+                    "knob": {field: k["value"]}, "base": draft["name"], "in_tree_model": k["in_tree"]})
+    return out
+
+
+def knob_lines(cfg: CompareConfig, candidates) -> list[dict]:
+    """Per draft and vLLM knob: served as a candidate of its own, or why not (one line each; none
+    with --no-vllm, which serves nothing)."""
+    rows = []
+    if not cfg.vllm:
+        return rows
+    for c in candidates:
+        if c["method"] == "ngram" or c.get("knob"):
+            continue
+        for field, k in serving.KNOBS.items():
+            mine = next((x for x in candidates if x.get("base") == c["name"] and field in x["knob"]), None)
+            if mine is not None:
+                why = mine.get("unavailable") or mine.get("not_served")
+                rows.append({"draft": c["name"], "knob": field, "value": k["value"],
+                             "candidate": None if why else mine["name"], "unavailable": why})
+                continue
+            why = ("changes only sampled serving (at temperature 0 a draft token drawn from q is q's argmax and "
+                   "greedy verification never reads q); compare served greedily: pass temperature=T > 0")
+            rows.append({"draft": c["name"], "knob": field, "value": k["value"], "candidate": None,
+                         "unavailable": why})
+    return rows
 
 
 def context_for(prompts: list[list[int]], max_new_tokens: int) -> list[int]:
@@ -219,12 +277,14 @@ def wider_costs_more(seconds: dict[int, float]) -> dict[int, float]:
     return out
 
 
-def acceptance(target, proposer, prompts, max_new_tokens: int, n: int) -> dict:
-    """One candidate at N, decoded one prompt at a time (as `draftsmith eval` and vLLM count);
-    per prompt its decoding steps and output tokens (what the serving simulation replays)."""
+def acceptance(target, proposer, prompts, max_new_tokens: int, n: int, temperature: float = 0.0) -> dict:
+    """One candidate at N, decoded one prompt at a time (as `draftsmith eval` and vLLM count), greedy
+    or sampled at `temperature` (prompt i seeded with i); per prompt its decoding steps and output
+    tokens (what the serving simulation replays)."""
     stats, per_prompt = DecodeStats(n), []
-    for prompt in prompts:
-        out, s = generate(target, [prompt], max_new_tokens, proposer, n, eos_token_ids=target.eos_token_ids)
+    for i, prompt in enumerate(prompts):
+        out, s = generate(target, [prompt], max_new_tokens, proposer, n, sampling=Sampling(temperature=temperature),
+                          eos_token_ids=target.eos_token_ids, seed=i)
         stats.merge(s)
         per_prompt.append([s.iterations, len(out[0])])
     share = stats.rounds / stats.iterations if stats.iterations else 0.0
@@ -284,13 +344,13 @@ def served_in_vllm(target, candidates, prompts, cfg) -> dict:
     sweep = {"concurrency": cfg.concurrency, "repeats": cfg.repeats, "warmup": True}
     jobs = [{"target": target.hf_dir, "prompts": prompts, "out": str(work / "none.json"), "max_num_seqs": top,
              "max_new_tokens": cfg.max_new_tokens, "sweep": {**sweep, "ns": [0]}, "dtype": dtype,
-             "max_model_len": longest}]  # no prompt truncated or refused by vLLM's default of 1,024
+             "max_model_len": longest, "temperature": cfg.temperature}]  # no prompt cut by vLLM's 1,024
     for i, c in enumerate(candidates):
         job = {**jobs[0], "out": str(work / f"candidate-{i}.json"), "sweep": {**sweep, "ns": c["ns"]}}
         if c["method"] == "ngram":
             job.update(method="ngram", **{k: v for k, v in c["config"].items() if k.startswith("prompt_lookup")})
         else:
-            job.update(draft=c["config"]["model"], method=c["method"])
+            job.update(draft=c["config"]["model"], method=c["method"], knobs=c.get("knob"))
         jobs.append(job)
     print(f"compare: serving {len(jobs)} engines in vLLM (every N, concurrency {cfg.concurrency}, {cfg.repeats} "
           "servings each after a warm-up)", file=sys.stderr)
@@ -308,7 +368,10 @@ def served_in_vllm(target, candidates, prompts, cfg) -> dict:
     # plain decoding: one step per token after the prompt's (its outputs are every candidate's, checked below)
     none_steps = [[len(o) - 1, len(o)] for o in plain[0]["outputs"]]
     rows += predicted_and_measured("no speculation", 0, plain, none_steps, lengths)
-    unserved = [c for c, r in zip(candidates, results[1:]) if "unservable" in r]
+    for c, r in zip(candidates, results[1:]):
+        if "unservable" in r and c.get("knob"):  # a knob this vLLM lacks or refuses: said, not predicted
+            c["unavailable"] = r["unservable"]
+    unserved = [c for c, r in zip(candidates, results[1:]) if "unservable" in r and not c.get("knob")]
     for c, r in zip(candidates, results[1:]):
         if "unservable" in r:
             c["not_served"] = r["unservable"]
@@ -319,8 +382,11 @@ def served_in_vllm(target, candidates, prompts, cfg) -> dict:
             rows += predicted_and_measured(c["name"], n, mine, a["per_prompt"], lengths)
             c["by_n"][n]["vllm"] = [{"concurrency": row["concurrency"], "repeat": row.get("repeat", 0),
                                      "tokens_per_s": row["tokens"] / row["seconds"],
-                                     "counts_equal": same_counts(row["spec"], a, n),
-                                     "outputs_equal": row["outputs"] == plain[0]["outputs"]} for row in mine]
+                                     "counts_equal": None if not c.get("in_tree_model", True) else
+                                     same_counts(row["spec"], a, n) if not cfg.temperature else
+                                     same_rates(mine[0]["spec"], a, n),
+                                     "outputs_equal": None if cfg.temperature else
+                                     row["outputs"] == plain[0]["outputs"]} for row in mine]
     if unserved:  # the in-tree decoder's costs, its speedup over its own plain decoding at vLLM's plain speed
         print(f"compare: {', '.join(c['name'] for c in unserved)}: {unserved[0]['not_served']}; predicted from "
               "in-tree costs", file=sys.stderr)
@@ -349,8 +415,8 @@ def exclude_unfaithful(candidates, dtype: str) -> None:
     counted (c["divergent_servings"])."""
     for c in candidates:
         servings = [(n, v) for n, m in c["by_n"].items() for v in m.get("vllm", [])]
-        differ = [(n, v) for n, v in servings if not v["outputs_equal"]]
-        miscount = [(n, v) for n, v in servings if not v["counts_equal"]]
+        differ = [(n, v) for n, v in servings if v["outputs_equal"] is False]  # None: not checkable (sampled)
+        miscount = [(n, v) for n, v in servings if v["counts_equal"] is False]  # None: no in-tree model
         c["divergent_servings"] = {"outputs": len(differ), "counts": len(miscount), "of": len(servings)}
         if dtype != "float32" or not (differ or miscount):
             continue
@@ -382,6 +448,17 @@ def same_counts(vllm_spec: dict, ours: dict, n: int) -> bool:
     return (vllm_spec["num_drafts"], vllm_spec["num_accepted_tokens"]) == (ours["num_drafts"],
                                                                          ours["num_accepted_tokens"]) \
         and theirs[:n] == ours["accepted_per_position"] and not any(theirs[n:])
+
+
+def same_rates(vllm_spec: dict, ours: dict, n: int) -> bool:
+    """Sampled serving: vLLM's acceptance rate at each position agrees with the in-tree decoder's
+    within 3 standard errors (trainer/metrics.py; the draws differ, so in distribution only). One
+    serving per N: the repeats draw with the same seeds."""
+    theirs = vllm_spec["accepted_per_position"]
+    if not vllm_spec["num_drafts"] or not ours["num_drafts"]:
+        return vllm_spec["num_drafts"] == ours["num_drafts"]
+    return not any(theirs[n:]) and all(r["agree"] for r in sampled_acceptance_agreement(
+        (theirs[:n], vllm_spec["num_drafts"]), (ours["accepted_per_position"], ours["num_drafts"])))
 
 
 def predicted_and_measured(name, n, servings, per_prompt, lengths) -> list[dict]:
@@ -455,13 +532,14 @@ def runs_of(p: dict) -> list[float]:
 
 
 def simplicity(candidates):
-    """A sort key, smaller = simpler: no speculation, vLLM's n-gram, a BF16 draft, an FP8 one; then N."""
+    """A sort key, smaller = simpler: no speculation, vLLM's n-gram, a BF16 draft, an FP8 one; a draft
+    without a vLLM knob before one with it; then N."""
     by_name = {c["name"]: c for c in candidates}
 
     def key(p: dict) -> tuple:
         c = by_name.get(p["candidate"]) or {}
         kind = 0 if p["n"] == 0 else 1 if c.get("method") == "ngram" else 3 if c.get("fp8") else 2
-        return kind, p["n"]
+        return kind, len(c.get("knob") or {}), p["n"]
 
     return key
 
@@ -497,13 +575,16 @@ def recommend(predictions, candidates, concurrency) -> dict:
     return out
 
 
-def draft_or_plain(c: dict, concurrency: list[int], candidates, predictions) -> dict[int, tuple[dict, str]]:
-    """Per load, this draft (at its N) or plain decoding, whichever trainer/serving.py's rule serves
-    between them alone, and why; plain decoding wherever the draft was excluded or not served."""
+def draft_or_plain(c: dict, concurrency: list[int], candidates, predictions,
+                   knobs: bool = False) -> dict[int, tuple[dict, str]]:
+    """Per load, this draft (at its N; with `knobs`, also with each vLLM knob served) or plain
+    decoding, whichever trainer/serving.py's rule serves between them alone, and why; plain decoding
+    wherever the draft was excluded or not served."""
+    mine = {c["name"], "no speculation"} | ({x["name"] for x in candidates if x.get("base") == c["name"]}
+                                           if knobs else set())
     out = {}
     for b in concurrency:
-        cells = [{**p, "runs": runs_of(p)} for p in eligible(predictions, candidates, b)
-                 if p["candidate"] in (c["name"], "no speculation")]
+        cells = [{**p, "runs": runs_of(p)} for p in eligible(predictions, candidates, b) if p["candidate"] in mine]
         chosen, _, why = serving.choose(cells, simplicity(candidates))
         out[b] = ({k: v for k, v in chosen.items() if k != "runs"}, why)
     return out
@@ -529,17 +610,97 @@ def dynamic_configs(concurrency: list[int], candidates, predictions) -> dict:
 def write_policies(report: dict, candidates) -> list[Path]:
     """--write-policy: each export's serving policy into the export (export/policy.py), recorded."""
     written = []
+    configs = {c["name"]: c["config"] for c in candidates}
     for c in candidates:
-        if not c.get("export"):
+        if not c.get("export") or c.get("knob"):
             continue
-        chosen = draft_or_plain(c, report["concurrency"], candidates, report["predictions"])
+        chosen = draft_or_plain(c, report["concurrency"], candidates, report["predictions"], knobs=True)
         plain = {b: next(p for p in report["predictions"] if p["concurrency"] == b and p["n"] == 0)
                  for b in report["concurrency"]}
-        schedule = report["dynamic_configs"].get(c["name"], {}).get("num_speculative_tokens_per_batch_size")
+        # the one config for every load: that of the configuration chosen at the most loads (the draft's
+        # own on a tie), its N per load as vLLM's schedule
+        served = [row["candidate"] for row, _ in chosen.values() if row["n"]]
+        most = max(sorted(set(served), key=lambda name: name != c["name"]), key=served.count) if served else c["name"]
+        schedule = report["dynamic_configs"].get(most, {}).get("num_speculative_tokens_per_batch_size")
+        knobs = [k for k in report.get("knobs", []) if k["draft"] == c["name"]]
         made = policy.build(report, c, {b: row for b, (row, _) in chosen.items()}, plain,
-                            {b: why for b, (_, why) in chosen.items()}, schedule)
+                            {b: why for b, (_, why) in chosen.items()}, schedule,
+                            configs=configs, schedule_config=configs.get(most), knobs=knobs)
+        made.update(policy.context_note(report, c["name"]))  # --context-buckets: its cut-off per load, or nothing
         written.append(policy.write(c["export"], made))
     return written
+
+
+def by_context(cfg: CompareConfig, target, candidates) -> dict:
+    """--context-buckets: every candidate measured as the comparison above (acceptance in-tree at
+    every N, then served in vLLM, or in-tree costs with --no-vllm) on each bucket's own prompts
+    (trainer/data/buckets.py: L - max_new_tokens tokens under the prompts' template), and per
+    candidate and concurrency the context length above which serving without speculation is the
+    choice (trainer/metrics.py `speculation_cutoff`, on the candidate's fastest N per bucket)."""
+    encode = prompt_encoder(target, cfg.drafts[0] if cfg.drafts else "ngram", cfg.chat_template, False,
+                            "compare --chat-template")
+    buckets = []
+    for L in cfg.context_buckets:
+        _, prompts = context_prompts(target.tokenizer, encode, L - cfg.max_new_tokens, cfg.num_prompts)
+        print(f"compare: context bucket {L}: {len(prompts)} prompts of {len(prompts[0])} tokens", file=sys.stderr)
+        mine = [{k: v for k, v in c.items() if k not in ("by_n", "excluded", "not_served", "divergent_servings")}
+                for c in candidates]  # this bucket's measurement of each, the whole comparison's kept
+        by_name = {c["name"]: c for c in mine}
+        for c in mine:
+            if c.get("knob") and not c.get("in_tree_model", True):  # as run(): its draft's in-tree counts
+                c["by_n"] = {n: {"acceptance": m["acceptance"]} for n, m in by_name[c["base"]]["by_n"].items()}
+                continue
+            c["by_n"] = {n: {"acceptance": acceptance(target, c["proposer"], prompts, cfg.max_new_tokens, n,
+                                                      cfg.temperature)} for n in c["ns"]}
+        costs = served_in_vllm(target, mine, prompts, cfg) if cfg.vllm else in_tree_costs(target, mine, prompts, cfg)
+        buckets.append({"context": L, "prompt_tokens": len(prompts[0]), "prompts": len(prompts),
+                        "predictions": costs["predictions"], "candidates": [
+                            {"name": c["name"], "excluded": c.get("excluded") or c.get("not_served"),
+                             "by_n": {n: {k: m["acceptance"][k] for k in ("tau", "num_drafts", "num_accepted_tokens",
+                                                                           "accepted_per_position")}
+                                      for n, m in c["by_n"].items()}} for c in mine],
+                        "_candidates": mine})
+    cutoffs = []
+    for c in candidates:
+        for b in cfg.concurrency:
+            rows = []
+            for bucket in buckets:
+                here = [p for p in eligible(bucket["predictions"], bucket["_candidates"], b)
+                        if p["candidate"] == c["name"]]
+                if not here:  # excluded or not served at this bucket: no figure to decide on
+                    continue
+                best = max(here, key=lambda p: serving.spread(runs_of(p))[0])
+                plain = next(p for p in bucket["predictions"] if p["concurrency"] == b and p["n"] == 0)
+                rows.append({"context": bucket["context"], "n": best["n"], "runs": runs_of(best),
+                             "plain_runs": runs_of(plain), "tokens_per_s": serving.spread(runs_of(best))[0],
+                             "plain_tokens_per_s": serving.spread(runs_of(plain))[0]})
+            if rows:
+                cutoffs.append({"candidate": c["name"], "concurrency": b, **speculation_cutoff(rows),
+                                "buckets": [{k: v for k, v in r.items() if not k.endswith("runs")} for r in rows]})
+    for bucket in buckets:
+        del bucket["_candidates"]
+    return {"context_buckets": buckets, "context_cutoffs": cutoffs, "context_cutoff_in_vllm": policy.VLLM_CONTEXT}
+
+
+def format_context(r: dict) -> list[str]:
+    """--context-buckets: per candidate τ at its largest N per bucket, and per load its cut-off."""
+    if not r.get("context_buckets"):
+        return []
+    rows = ["  per context length (" + ", ".join(f"{b['context']}: prompts of {b['prompt_tokens']} tokens"
+                                              for b in r["context_buckets"]) + "):"]
+    for i, c in enumerate(r["context_buckets"][0]["candidates"]):
+        taus = [b["candidates"][i]["by_n"] for b in r["context_buckets"]]
+        rows.append(f"    {c['name']}: τ at N={max(taus[0])} by context: " + ", ".join(
+            f"{b['context']}: {t[max(t)]['tau']:.2f}" for b, t in zip(r["context_buckets"], taus)))
+    for x in r["context_cutoffs"]:
+        rows.append(f"    {x['candidate']} at concurrency {x['concurrency']}: " + (
+            f"speculation pays up to {x['pays_up_to']} tokens of context" if x["pays_up_to"] else
+            "speculation does not pay at the shortest bucket")
+            + (f", serve without it from {x['plain_from']}" if x["plain_from"] else " (every bucket measured)")
+            + " (" + ", ".join(f"{b['context']}: {b['tokens_per_s']:.1f} vs {b['plain_tokens_per_s']:.1f} tok/s"
+                               for b in x["buckets"]) + ")")
+    rows.append(f"    in vLLM: {r['context_cutoff_in_vllm']}")
+    return rows
 
 
 def machine() -> dict:
@@ -575,7 +736,20 @@ def format_report(r: dict) -> str:
             f"measured in {r['costs_measured_in']}"]
     if r.get("vllm_mode"):
         rows.append(f"  served as: {served_as(r)}")
+    if r.get("temperature"):
+        rows.append(f"  sampled at temperature {r['temperature']} (vLLM seeds request i with i): outputs are not "
+                    "compared token for token, vLLM's acceptance per position is held to the in-tree decoder's "
+                    "within 3 standard errors")
+    for k in r.get("knobs", []):
+        if k["unavailable"]:
+            rows.append(f"  vLLM knob {k['knob']}={json.dumps(k['value'])} for {k['draft']}: unavailable: "
+                        f"{k['unavailable']}")
     for c in r["candidates"]:
+        if c.get("knob") and not c.get("in_tree_model", True):
+            rows.append(f"  {c['name']}: served as a candidate of its own; the in-tree decoder has no "
+                        f"{next(iter(c['knob']))}: its prediction replays the draft's own in-tree steps, "
+                        "its outputs are checked, its counts are not")
+            continue
         taus = ", ".join(f"N={n}: τ {m['acceptance']['tau']:.2f}" + (f" in {m['acceptance']['share']:.0%} of steps"
                                                                      if m["acceptance"]["share"] < 1 else "")
                          for n, m in c["by_n"].items())
@@ -613,6 +787,7 @@ def format_report(r: dict) -> str:
         best = rec["best"]
         rows.append("    serve: " + (f"--speculative-config '{json.dumps(best['config'])}'" if best["config"]
                                       else "without speculation") + f" ({rec.get('why', 'the fastest')})")
+    rows += format_context(r)
     return "\n".join(rows)
 
 
@@ -636,8 +811,8 @@ def spread(argv: list[str]) -> list[str]:
                 out += ["--drafts", argv[i]]
                 i += 1
             continue
-        if argv[i] == "--concurrency" and i + 1 < len(argv) and not argv[i + 1].startswith("["):
-            out += ["--concurrency", f"[{argv[i + 1]}]"]
+        if argv[i] in ("--concurrency", "--context-buckets") and i + 1 < len(argv) and not argv[i + 1].startswith("["):
+            out += [argv[i], f"[{argv[i + 1]}]"]
             i += 2
             continue
         out.append(argv[i])

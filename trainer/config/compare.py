@@ -34,10 +34,18 @@ class CompareConfig:
     # servings of every (candidate, N, concurrency) in vLLM, interleaved, after one discarded warm-up per
     # engine: a difference inside their spread decides nothing (trainer/serving.py)
     repeats: int = 3
+    # 0: greedy serving (lossless and count-exact checks); > 0: every candidate served and decoded
+    # in-tree sampled at this temperature (checks in distribution), and vLLM's draft_sample_method=
+    # probabilistic served as a candidate of its own (it changes nothing under greedy requests)
+    temperature: float = 0.0
     # also write each export's measured serving policy into the export (serving/policy.json, recorded in
     # its manifest as eval's reports are): upload puts it in the model card; `draftsmith serve-line EXPORT
     # --concurrency B` prints the `vllm serve` line it gives
     write_policy: bool = False
+    # τ and tokens/s per context length, and where serving without speculation wins: every candidate also
+    # measured (as above) on num_prompts prompts per context bucket L of L - max_new_tokens tokens
+    # (trainer/data/buckets.py), e.g. [1024, 2048, 4096, 8192]; [] = off
+    context_buckets: list[int] = field(default_factory=list)
     output_dir: str = "runs/compare"
     overwrite: bool = True  # a comparison is a measurement: re-running replaces it
 
@@ -48,6 +56,12 @@ class CompareConfig:
             raise ConfigError("num_prompts, max_new_tokens, cost_steps and repeats must be >= 1")
         if not self.concurrency or any(not isinstance(c, int) or c < 1 for c in self.concurrency):
             raise ConfigError(f"concurrency {self.concurrency}: give one or more integers >= 1, e.g. 1,4,16")
+        if not 0 <= self.temperature <= 2:
+            raise ConfigError(f"temperature {self.temperature}: give 0 (greedy) up to 2")
+        self.context_buckets = sorted(set(self.context_buckets))
+        if self.context_buckets and min(self.context_buckets) <= self.max_new_tokens:
+            raise ConfigError(f"context bucket {min(self.context_buckets)} leaves no room for a prompt beside "
+                              f"max_new_tokens={self.max_new_tokens}; use buckets above it")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype '{self.dtype}': give auto, float32, bfloat16 or float16")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

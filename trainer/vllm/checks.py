@@ -12,6 +12,7 @@ import re
 import subprocess
 from pathlib import Path
 
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
@@ -93,6 +94,17 @@ def load_in_vllm034(jobs: list[dict], timeout: int = 900) -> list[dict]:
         raise DraftsmithError(f"the vLLM 0.34 load check failed (exit {r.returncode}); the log is {log}; "
                               f"{log_cause(log)}")
     return [json.loads(Path(j["out"]).read_text()) for j in jobs]
+
+
+def shared_at_serve_time(export_dir: Path, method: str) -> set[str]:
+    """The draft parameters vLLM fills from the target when it serves (so an export leaves them
+    unfilled in a load check): the embedding always, the LM head where the export has none of its
+    own, and a block draft's mask embedding (vLLM's DFlash/DSpark drafters build it from the
+    target's embedding: vllm/model_executor/models/qwen3_dflash.py, 0.32 and 0.34)."""
+    with safe_open(Path(export_dir) / "model.safetensors", "pt") as f:
+        own_head = any(k.endswith("lm_head.weight") for k in f.keys())
+    return {"model.embed_tokens.weight"} | ({"model.mask_embedding"} if method != "eagle3" else set()) \
+        | (set() if own_head else {"lm_head.weight"})
 
 
 def run_vllm_pieces(target_dir: str, export_dir: Path, inputs: dict, out: Path, dtype: str = "float32",

@@ -4,8 +4,9 @@ work) and at export (on the serve line).
 
 An EAGLE-3, DFlash or DSpark draft reads the target's aux hidden states, which vLLM takes only
 from a target class that implements `SupportsEagle3`
-(vllm/model_executor/models/interfaces.py; the model runner raises "Model does not support
-EAGLE3 interface" at load otherwise). The answer comes from the installed vLLM when there is
+(vllm/model_executor/models/interfaces.py, vLLM 0.32 and 0.34; the model runner raises "Model does not support
+EAGLE3 interface" at load otherwise: 0.32's vllm/v1/worker/gpu_model_runner.py, 0.34's
+vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py). The answer comes from the installed vLLM when there is
 one (trainer/vllm/runners/vllm_servable.py, through the runner pattern: the vLLM environment's
 Python), cached per vLLM install; otherwise from `vllm_servable_0.32.json`, recorded from
 vLLM 0.32.0's own registry by the same runner (`--all`), which names its version. The installed

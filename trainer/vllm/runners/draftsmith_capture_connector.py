@@ -13,7 +13,7 @@ and each request names its file in SamplingParams(extra_args={"kv_transfer_param
 model dtype: for each of the P prompt tokens, the L layers of the draft config's
 `eagle_aux_hidden_state_layer_ids` (sorted; id i = the residual stream entering layer i, id
 num_layers = the last layer's output before the final norm: vllm/model_executor/models/llama.py
-`_maybe_add_hidden_state`), and `token_ids` [P]. It is written to a temporary name and renamed,
+`_maybe_add_hidden_state`, vLLM 0.32 and 0.34), and `token_ids` [P]. It is written to a temporary name and renamed,
 so a file that exists is complete.
 
 Everything else is vLLM's reference connector (vllm/distributed/kv_transfer/kv_connector/v1/

@@ -8,7 +8,7 @@ Imported by those runners from this folder (vLLM's Python; it imports vllm, torc
 the standard library and draftsmith's shard writer, trainer/data/shards.py, which the runner
 puts on the path). Layer ids: the settings' `aux_layer_ids` (entering-layer convention, id
 num_layers = the last layer's output before the final norm, vllm/model_executor/models/llama.py
-`_maybe_add_hidden_state`) plus the last layer, sorted as vLLM collects them.
+`_maybe_add_hidden_state`, vLLM 0.32 and 0.34) plus the last layer, sorted as vLLM collects them.
 """
 
 from __future__ import annotations

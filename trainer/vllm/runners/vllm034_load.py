@@ -9,7 +9,8 @@ jobs.json: a list of {"target": HF_DIR, "export": EXPORT_DIR, "dtype": "bfloat16
 RESULT_JSON}. Each result: {"vllm": version, "class": the draft class vLLM built, "method",
 "quantization", "parameters": [[name, dtype, shape], ...], "unfilled": the floating parameters
 load_weights left untouched, "d2t_filled": whether draft_id_to_target_id was loaded (or null:
-no such parameter)} or {"error": the exception's line}.
+no such parameter), "attention": each draft layer's {"layer", "sliding_window", "causal"} as
+built} or {"error": the exception's line}.
 
 How (measured: ../shared/research/vllm-0.34-load-check.md): VLLM_TARGET_DEVICE=cpu (else no
 platform resolves); the x86 CPU config check, which demands triton-cpu, sees Triton while the
@@ -92,7 +93,18 @@ def load(job: dict) -> dict:
                 "quantization": cfg.speculative_config.draft_model_config.quantization,
                 "parameters": [[n, str(p.dtype).removeprefix("torch."), list(p.shape)]
                                for n, p in model.named_parameters()],
-                "unfilled": unfilled, "d2t_filled": None if d2t is None else bool((d2t >= 0).all())}
+                "unfilled": unfilled, "d2t_filled": None if d2t is None else bool((d2t >= 0).all()),
+                "attention": attention_modes(model)}
+
+
+def attention_modes(model) -> list[dict]:
+    """Each draft layer's attention as vLLM built it: {"layer", "sliding_window" (its Attention's,
+    None: full), "causal" (a DFlash/DSpark layer's; None where the class has no such flag)}."""
+    from vllm.model_executor.layers.attention import Attention
+
+    return [{"layer": name.removesuffix(".attn"), "sliding_window": module.sliding_window,
+             "causal": getattr(model.get_submodule(name.removesuffix(".attn")), "causal", None)}
+            for name, module in model.named_modules() if isinstance(module, Attention)]
 
 
 def main() -> None:

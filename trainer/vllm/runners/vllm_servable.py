@@ -6,7 +6,7 @@ Python of a vLLM environment (it imports only vllm and the standard library, nev
     .vllm-venv/bin/python trainer/vllm/runners/vllm_servable.py --all --out table.json     (every registered one)
 
 An EAGLE-3, DFlash or DSpark draft reads the target's aux hidden states, which vLLM takes only
-from a target class implementing `SupportsEagle3` (vllm/model_executor/models/interfaces.py;
+from a target class implementing `SupportsEagle3` (vllm/model_executor/models/interfaces.py, 0.32 and 0.34;
 the model runner raises "Model does not support EAGLE3 interface" otherwise). result.json:
 {"vllm": version, "methods": the speculative methods this vLLM knows, "architectures":
 {arch: {"registered": bool, "supports_eagle3": bool, "transformers_backend": bool, "plugin": bool}}}:
@@ -16,7 +16,7 @@ Transformers backend (vllm/model_executor/models/transformers/), whose inner `mo
 base model itself, so that a draft shares the target's embedding only where HF names it
 `embed_tokens` or `embedding` (v1/spec_decode/llm_base_proposer.py in vLLM 0.32, _maybe_share_embeddings).
 With --configs, each target folder's config.json read as vLLM reads it at engine start
-(vllm/transformers_utils/config.py get_config, with this environment's transformers, which may be
+(vllm/transformers_utils/config.py get_config, 0.32 and 0.34, with this environment's transformers, which may be
 older than draftsmith's): result.json's "configs" {folder: {"ok": bool, "error": its first line}}
 and "transformers" (this environment's version).
 """

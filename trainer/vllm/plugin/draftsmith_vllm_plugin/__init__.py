@@ -1,5 +1,5 @@
 """draftsmith's vLLM plugin: the target families the installed vLLM serves but cannot speculate
-on, because their class lacks `SupportsEagle3` (vllm/model_executor/models/interfaces.py), so that
+on, because their class lacks `SupportsEagle3` (vllm/model_executor/models/interfaces.py, 0.32 and 0.34), so that
 EAGLE-3, DFlash and DSpark drafts and `extract_hidden_states` refuse them ("Model does not support
 EAGLE3 interface"). For each, `register()` registers vLLM's own class of that family with the
 aux hidden states a draft reads (aux_states.py): nothing else of the model changes, and a family
