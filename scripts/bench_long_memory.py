@@ -93,8 +93,10 @@ def main() -> None:
             for ckpt in args.checkpointing.split(","):
                 r = subprocess.run([sys.executable, __file__, "--child", f"{algorithm}:{tokens}:{ckpt}"],
                                    capture_output=True, text=True, env=env)
-                if r.returncode:
-                    cells.append(f"{'failed: ' + (r.stderr.strip().splitlines() or ['?'])[-1][:60]:>28s}")
+                if r.returncode:  # killed by a signal (-9: the kernel's out-of-memory killer, as a rule) or an error
+                    why = f"killed by signal {-r.returncode}" if r.returncode < 0 else \
+                        (r.stderr.strip().splitlines() or ["?"])[-1][:60]
+                    cells.append(f"{'failed: ' + why:>28s}")
                     continue
                 res = json.loads(r.stdout.strip().splitlines()[-1])
                 cells.append(f"{res['peak_rss_mib']:6.0f} MiB ({res['step_rss_mib']:5.0f}) {res['seconds']:5.1f} s "
