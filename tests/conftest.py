@@ -170,6 +170,27 @@ def splice_prepared(prepared: Path, rows: dict) -> None:
     (prepared / "summary.json").write_text(json.dumps(summary))
 
 
+def own_answers_capture(d: Path, target, prompts: list[list[int]], max_new: int, drafts: list[str]) -> Path:
+    """prepare a few ShareGPT records into d/prepared, then replace the data with the target's own
+    greedy answers to every other prompt (d/echo-prepared) and capture them for `drafts` (bfloat16,
+    an 8,192-token draft vocabulary) into d/echo: the data the vLLM tests train their drafts on."""
+    import shutil
+
+    from recipes import capture, prepare
+    from trainer.config import CaptureConfig, PrepareConfig
+    from trainer.speculative import generate
+
+    prepare.run(PrepareConfig(output_dir=str(d / "prepared"), source="sharegpt", max_records=8, max_length=512))
+    answers, _ = generate(target, prompts, max_new, eos_token_ids=target.eos_token_ids)
+    shutil.copytree(d / "prepared", d / "echo-prepared")
+    half = range(0, len(prompts), 2)
+    splice_prepared(d / "echo-prepared", {"input_ids": [prompts[i] + answers[i] for i in half],
+                                          "loss_mask": [[0] * len(prompts[i]) + [1] * len(answers[i]) for i in half]})
+    capture.run(CaptureConfig(data=str(d / "echo-prepared"), output_dir=str(d / "echo"), draft_vocab_size=8192,
+                              store_dtype="bfloat16", drafts=drafts))
+    return d / "echo"
+
+
 def skip_unless_ci(reason: str) -> None:
     """Skip a test that needs what this machine cannot give (a tmpfs mount, say), except under
     DRAFTSMITH_REQUIRE_VLLM=1 (.ci/run sets it): CI's machine can, so there the skip would hide a

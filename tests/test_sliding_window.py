@@ -342,26 +342,15 @@ def windowed(tmp_path_factory, smollm2):
     half of 6 GSM8K prompts captured, a one-layer DFlash draft with blocks of N + 1 and a window of
     16 trained on them, exported BF16; a two-layer DSpark draft with its second layer windowed,
     trained 2 steps on the same capture (vLLM 0.34 builds it: no CPU serving), exported."""
-    import shutil
-
-    from recipes import capture, prepare
     from recipes import export_draft as export_recipe
-    from tests.conftest import splice_prepared
-    from trainer.config import CaptureConfig, ExportConfig, PrepareConfig, TrainConfig, load_config
+    from tests.conftest import own_answers_capture
+    from trainer.config import ExportConfig, TrainConfig, load_config
     from trainer.data.evalsets import chat_prompt_ids, load_prompts
-    from trainer.speculative import generate
 
     _require_vllm()
     d = tmp_path_factory.mktemp("window")
-    prepare.run(PrepareConfig(output_dir=str(d / "prepared"), source="sharegpt", max_records=8, max_length=512))
     prompts = chat_prompt_ids(smollm2.tokenizer, load_prompts("gsm8k", 6))
-    answers, _ = generate(smollm2, prompts, MAX_NEW, eos_token_ids=smollm2.eos_token_ids)
-    shutil.copytree(d / "prepared", d / "echo-prepared")
-    half = range(0, len(prompts), 2)
-    splice_prepared(d / "echo-prepared", {"input_ids": [prompts[i] + answers[i] for i in half],
-                                          "loss_mask": [[0] * len(prompts[i]) + [1] * len(answers[i]) for i in half]})
-    capture.run(CaptureConfig(data=str(d / "echo-prepared"), output_dir=str(d / "echo"), draft_vocab_size=8192,
-                              store_dtype="bfloat16", drafts=["dflash"]))
+    own_answers_capture(d, smollm2, prompts, MAX_NEW, ["dflash"])
     common = [f"data={d / 'echo'}", "epochs=1000", "gradient_accumulation_steps=1", "max_length=512",
               "warmup_steps=5", "save_every=1000", "log_every=10"]
     train.run(load_config(TrainConfig, REPO / "recipes/configs/smollm2-135m/dflash.yaml", [

@@ -34,10 +34,10 @@ import os
 
 import pytest
 
-from recipes import capture, prepare, train
 from recipes import export_draft as export_recipe
+from recipes import train
 from tests.conftest import REPO
-from trainer.config import CaptureConfig, ExportConfig, PrepareConfig, TrainConfig, load_config
+from trainer.config import ExportConfig, TrainConfig, load_config
 from trainer.vllm import checks
 from trainer.vllm.env import vllm_python
 
@@ -56,23 +56,12 @@ if vllm_python() is None:
 def pipeline(tmp_path_factory, smollm2):
     """prepare -> capture of the target's own answers to half the eval prompts -> train EAGLE-3 on
     them (~20 s) -> export BF16 (vllm, speculators) and FP8."""
-    import shutil
-
-    from tests.conftest import splice_prepared
+    from tests.conftest import own_answers_capture
     from trainer.data.evalsets import chat_prompt_ids, load_prompts
-    from trainer.speculative import generate
 
     d = tmp_path_factory.mktemp("vllm")
-    # the prepared folder's data is replaced by the target's own answers below: a few records do
-    prepare.run(PrepareConfig(output_dir=str(d / "prepared"), source="sharegpt", max_records=8, max_length=512))
     prompts = chat_prompt_ids(smollm2.tokenizer, load_prompts("gsm8k", 6))
-    answers, _ = generate(smollm2, prompts, MAX_NEW, eos_token_ids=smollm2.eos_token_ids)
-    shutil.copytree(d / "prepared", d / "echo-prepared")
-    half = range(0, len(prompts), 2)
-    splice_prepared(d / "echo-prepared", {"input_ids": [prompts[i] + answers[i] for i in half],
-                                          "loss_mask": [[0] * len(prompts[i]) + [1] * len(answers[i]) for i in half]})
-    capture.run(CaptureConfig(data=str(d / "echo-prepared"), output_dir=str(d / "echo"), draft_vocab_size=8192,
-                              store_dtype="bfloat16", drafts=["eagle3", "dflash"]))
+    own_answers_capture(d, smollm2, prompts, MAX_NEW, ["eagle3", "dflash"])
     train.run(load_config(TrainConfig, REPO / "recipes/configs/smollm2-135m/eagle3.yaml", [
         f"data={d / 'echo'}", f"output_dir={d / 'eagle3'}", "draft.ttt_steps=3", "max_steps=60", "epochs=1000",
         "learning_rate=0.001", "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5",
