@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from trainer.data.shards import store_states
+
 
 def token_budget_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Group positions into batches whose padded size B * T_max stays within `max_tokens`.
@@ -60,3 +62,19 @@ def capture_batch(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if dtype is not None:
         aux, last = aux.to(dtype), last.to(dtype)
     return {"aux_hidden_states": aux, "last_hidden_state": last, "target_argmax": argmax.to(torch.int32)}
+
+
+def sample_states(target, seqs: Sequence[Sequence[int]], pad_id: int, aux_layer_ids: Sequence[int], store_dtype: str,
+                  samples: list) -> list[dict[str, torch.Tensor]]:
+    """One padded forward over `seqs` -> per sequence, cut to its own length and on the CPU, the
+    states online training reads: `target_argmax` and the stored aux/last states (`store_states`
+    in `store_dtype`; `samples`: the prepared sample indices, named in its non-finite error).
+    The online hf engines (trainer/online/sources.py HFSource, producer.py) both make states here."""
+    input_ids, attention_mask = right_pad(seqs, pad_id)  # [B, T]
+    states = capture_batch(target, input_ids, attention_mask, aux_layer_ids)
+    stored = store_states(states["aux_hidden_states"], states["last_hidden_state"], store_dtype, samples=samples,
+                          lengths=[len(s) for s in seqs])
+    stored = {k: v.cpu() for k, v in stored.items()}
+    argmax = states["target_argmax"].cpu()
+    return [{"target_argmax": argmax[r, :len(s)], **{name: v[r, :len(s)] for name, v in stored.items()}}
+            for r, s in enumerate(seqs)]

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from trainer.capture import capture_batch, right_pad, token_budget_batches
-from trainer.data.shards import store_states
+from trainer.capture import sample_states, token_budget_batches
 from trainer.errors import DraftsmithError
 from trainer.online.channel import NAMESPACE, first_line
 from trainer.online.wire import encode
@@ -82,20 +81,15 @@ class HFProducer:
                 for batch in token_budget_batches([len(r[4]) for r in requests], max_tokens):
                     t1 = time.perf_counter()
                     picked = [requests[k] for k in batch]
-                    input_ids, attention_mask = right_pad([r[4] for r in picked], pad)  # [B, T]
-                    states = capture_batch(model, input_ids, attention_mask, layer_ids)
-                    stored = store_states(states["aux_hidden_states"], states["last_hidden_state"], store_dtype,
-                                          samples=[r[3] for r in picked], lengths=[len(r[4]) for r in picked])
-                    stored = {k: v.cpu() for k, v in stored.items()}
-                    argmax = states["target_argmax"].cpu()
+                    made = sample_states(model, [r[4] for r in picked], pad, layer_ids, store_dtype,
+                                         samples=[r[3] for r in picked])
                     stats["compute_s"] += time.perf_counter() - t1
-                    for row, (rank, epoch, seq, index, ids) in enumerate(picked):
+                    for (rank, epoch, seq, index, ids), states in zip(picked, made):
                         T = len(ids)
                         if stall_after and epoch == 0 and seq >= stall_after:
                             stalled = True
                             continue
-                        sample = {"input_ids": input_ids[row, :T], "target_argmax": argmax[row, :T],
-                                  **{name: v[row, :T] for name, v in stored.items()}}
+                        sample = {"input_ids": torch.as_tensor(ids, dtype=torch.long), **states}
                         if ray.get(channel.deliver.remote(rank, epoch, seq, {**encode(sample), "seq": seq,
                                                                              "index": index}, T)) is None:
                             return stats  # closed

@@ -29,9 +29,8 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
-from trainer.capture import capture_batch, right_pad, token_budget_batches
+from trainer.capture import sample_states, token_budget_batches
 from trainer.data.collate import PreparedSamples
-from trainer.data.shards import store_states
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_save_safetensors
 from trainer.online.channel import CLOSED
@@ -135,18 +134,13 @@ class HFSource:
         positions = list(range(first, end))
         rows = [self.prepared[self.plan[p]] for p in positions]
         for batch in token_budget_batches([len(r["input_ids"]) for r in rows], self.max_tokens):
-            input_ids, attention_mask = right_pad([rows[k]["input_ids"].tolist() for k in batch], self.pad)  # [B, T]
-            states = capture_batch(self.target, input_ids, attention_mask, self.layer_ids)
-            stored = store_states(states["aux_hidden_states"], states["last_hidden_state"], self.store_dtype,
-                                  samples=[self.plan[positions[k]] for k in batch],  # prepared sample indices
-                                  lengths=[len(rows[k]["input_ids"]) for k in batch])
-            stored = {k: v.cpu() for k, v in stored.items()}
-            argmax = states["target_argmax"].cpu()
-            for r, k in enumerate(batch):
+            made = sample_states(self.target, [rows[k]["input_ids"].tolist() for k in batch], self.pad,
+                                 self.layer_ids, self.store_dtype,
+                                 samples=[self.plan[positions[k]] for k in batch])  # prepared sample indices
+            for k, states in zip(batch, made):
                 T = len(rows[k]["input_ids"])
                 if positions[k] >= self.next:  # a resumed run's window starts before its first sample
-                    self.held[positions[k]] = {**rows[k], "target_argmax": argmax[r, :T],
-                                               **{name: v[r, :T] for name, v in stored.items()}}
+                    self.held[positions[k]] = {**rows[k], **states}
                 self.stats.tokens += T
 
     def close(self) -> None:
