@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from trainer.drafts.eagle3 import (
@@ -9,6 +10,7 @@ from trainer.drafts.eagle3 import (
     training_step,
 )
 from trainer.drafts.layers import rotate_half
+from trainer.errors import ConfigError
 from trainer.metrics import simulated_tau
 
 
@@ -178,3 +180,46 @@ def test_simulated_tau():
     assert simulated_tau([1.0, 1.0, 1.0]) == 4.0
     assert simulated_tau([0.0, 1.0]) == 1.0
     assert math.isclose(simulated_tau([0.5, 0.5]), 1 + 0.5 + 0.25)
+
+
+def test_chunked_attention_and_loss_equal_one_pass():
+    """Long samples (issue 43): the TTT attention in query blocks and the loss in row chunks, each
+    recomputed in backward, with or without activation checkpointing, give the one-pass loss,
+    gradients, accuracy and acceptance. Chunks of 5 over T = 12 leave a short last block."""
+    torch.manual_seed(2)
+    B, T = 2, 12
+    ids = torch.randint(0, 50, (B, T))
+    loss_mask = (torch.rand(B, T) > 0.3).long()
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[1, 9:] = 0
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attn,
+             "aux_hidden_states": torch.randn(B, T, 96, dtype=torch.double),
+             "target_argmax": torch.randint(0, 50, (B, T))}
+    labels = {"p": torch.randn(B, T, 20, dtype=torch.double).softmax(-1), "in_vocab": torch.rand(B, T) > 0.2}
+    results = []
+    for attention_chunk, loss_chunk_rows, ckpt in ((0, 0, False), (5, 5, False), (5, 5, True), (4, 0, True)):
+        d = tiny_draft().double()
+        d.embed_tokens.double()
+        d.set_vocab(torch.zeros(20, dtype=torch.int64), torch.arange(50) < 20)
+        d.config.attention_chunk = d.midlayer.self_attn.chunk = attention_chunk
+        d.config.loss_chunk_rows, d.config.loss = loss_chunk_rows, "fkl:0.5,ce:0.2,lk_hybrid:0.3"
+        d.gradient_checkpointing = ckpt
+        m = training_step(d.train(), batch, labels)
+        m.loss.backward()
+        results.append((m, {n: q.grad.clone() for n, q in d.named_parameters() if q.grad is not None}))
+    (m0, g0), rest = results[0], results[1:]
+    assert "midlayer.self_attn.q_proj.weight" in g0 and "lm_head.weight" in g0
+    for m, g in rest:
+        torch.testing.assert_close(m.loss, m0.loss)
+        torch.testing.assert_close(m.alpha, m0.alpha)
+        assert torch.equal(m.correct, m0.correct) and torch.equal(m.count, m0.count) and g.keys() == g0.keys()
+        for name in g0:
+            torch.testing.assert_close(g[name], g0[name], msg=name)
+
+
+def test_negative_chunks_are_refused():
+    for name in ("loss_chunk_rows", "attention_chunk"):
+        cfg = tiny_draft().config
+        setattr(cfg, name, -1)
+        with pytest.raises(ConfigError, match=f"draft.{name} must be >= 0"):
+            cfg.validate()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.utils.checkpoint
 
 OBJECTIVES = ("fkl", "ce", "rkl", "jsd", "tv", "lk", "lk_hybrid")
 _TINY = torch.finfo(torch.float32).tiny  # log p of a probability that underflowed to 0
@@ -111,6 +112,23 @@ def per_sample_mean(per_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     sample = mask.nonzero()[:, 0]  # [N] the sample of each row
     sums = per_pos.new_zeros(mask.shape[0]).index_add_(0, sample, per_pos)  # [B]
     return (sums / mask.sum(-1).to(sums.dtype).clamp(min=1.0)).mean()
+
+
+def in_row_chunks(fn, rows: tuple[torch.Tensor, ...], chunk: int, recompute: bool = False
+                  ) -> tuple[torch.Tensor, ...]:
+    """fn over `rows` (tensors [R, ...] sliced together) `chunk` rows at a time, its outputs
+    ([r, ...] each) concatenated. With more than `chunk` rows, each chunk's intermediates (the
+    [r, Vd] logits) are recomputed in backward (torch.utils.checkpoint) instead of stored, so
+    at most one chunk's are alive. chunk 0: one pass. recompute: recompute in backward even in one
+    chunk (activation checkpointing)."""
+    R = rows[0].shape[0]
+    step = chunk or R or 1
+    recompute = (recompute or R > step) and torch.is_grad_enabled()
+    parts = []
+    for i in range(0, max(R, 1), step):
+        args = [r[i:i + step] for r in rows]
+        parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
+    return tuple(torch.cat(x) for x in zip(*parts))
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

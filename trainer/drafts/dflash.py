@@ -372,7 +372,7 @@ def training_step(draft: DFlashDraft, batch: dict, labels: dict) -> StepMetrics:
             ce = F.cross_entropy(logits, target.clamp(min=0), reduction="none") * (target >= 0)
             return spec["ce"] * ce, logits.argmax(-1)
 
-        ce, argmax = in_row_chunks(slot_ce, (hs, target), cfg.loss_chunk_rows)
+        ce, argmax = losses.in_row_chunks(slot_ce, (hs, target), cfg.loss_chunk_rows)
         loss = weighted_mean(ce, live, cfg.gamma)
         return block_metrics(loss, draft.draft_to_target()[argmax], greedy, live, ce)
 
@@ -384,24 +384,9 @@ def training_step(draft: DFlashDraft, batch: dict, labels: dict) -> StepMetrics:
         return losses.objective_rows(spec, logits, p, target, cfg.lk_eta, logq), logits.argmax(-1), alpha
 
     p_row = labels["target_row"].reshape(-1)[rows]
-    row_loss, argmax, alpha = in_row_chunks(slot_objective, (hs, target, p_row), cfg.loss_chunk_rows)
+    row_loss, argmax, alpha = losses.in_row_chunks(slot_objective, (hs, target, p_row), cfg.loss_chunk_rows)
     loss = weighted_mean(row_loss, live, cfg.gamma)
     return block_metrics(loss, draft.draft_to_target()[argmax], greedy, live, row_loss, alpha)
-
-
-def in_row_chunks(fn, rows: tuple[torch.Tensor, ...], chunk: int) -> tuple[torch.Tensor, ...]:
-    """fn over `rows` (tensors [R, ...] sliced together) `chunk` rows at a time, its outputs
-    ([r, ...] each) concatenated. With more than `chunk` rows, each chunk's intermediates (the
-    [r, Vd] logits) are recomputed in backward (torch.utils.checkpoint) instead of stored, so
-    at most one chunk's are alive. chunk 0: one pass."""
-    R = rows[0].shape[0]
-    step = chunk or R or 1
-    recompute = R > step and torch.is_grad_enabled()
-    parts = []
-    for i in range(0, max(R, 1), step):
-        args = [r[i:i + step] for r in rows]
-        parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
-    return tuple(torch.cat(x) for x in zip(*parts))
 
 
 def block_states(draft: DFlashDraft, batch: dict, anchors: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -195,7 +195,7 @@ def training_step(draft: DSparkDraft, batch: dict, labels: dict) -> StepMetrics:
     hn = draft.backbone.norm(h.reshape(-1, h.shape[-1])[rows])  # [R, H] supervised slots only
     prev_r, target_r = prev.reshape(-1)[rows], dflash.to_draft_ids(draft.backbone, want.reshape(-1)[rows])
     p_row = labels["target_row"].reshape(-1)[rows]
-    row_loss, argmax, alpha = dflash.in_row_chunks(
+    row_loss, argmax, alpha = losses.in_row_chunks(
         lambda hn, prev, target, p_row: slot_losses(draft, hn, prev, target, labels["target_p"],
                                                     labels["target_outside"], p_row),
         (hn, prev_r, target_r, p_row), cfg.loss_chunk_rows)

@@ -81,6 +81,12 @@ class Eagle3Config(TargetShape):
     # reference's soft cross-entropy against the target's distribution; ce: against its greedy token.
     loss: str = "fkl"
     lk_eta: float = 3.0  # lk_hybrid's η: λ = exp(-η α)
+    # Long samples with bounded memory (issue 43), both recomputed in backward when they split, 0: one
+    # pass. loss_chunk_rows: supervised rows whose [rows, Vd] logits, log-probabilities and target
+    # distribution are alive at once (as DFlash's). attention_chunk: queries of the TTT attention
+    # (steps >= 1) scored at once: its [heads, T, T] scores grow with the square of the sample.
+    loss_chunk_rows: int = 1024
+    attention_chunk: int = 1024
 
     needs_own_head: ClassVar[bool] = True
 
@@ -91,6 +97,9 @@ class Eagle3Config(TargetShape):
         if not 0 < self.step_decay <= 1:
             raise ConfigError("draft.step_decay must be in (0, 1]")
         check_objective(self.loss, self.lk_eta)
+        for name in ("loss_chunk_rows", "attention_chunk"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"draft.{name} must be >= 0 (0: no chunks)")
 
     @property
     def num_positions(self) -> int:
@@ -112,6 +121,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
         self.v_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
         self.o_proj = nn.Linear(self.nh * hd, H, bias=False)
+        self.chunk = cfg.attention_chunk
 
     def forward(self, x, cos, sin, cache: list[tuple[torch.Tensor, torch.Tensor]]):
         """x: [B, T, 2H], the current TTT step k = len(cache) at every position. Batches are
@@ -130,7 +140,7 @@ class Attention(nn.Module):
         if len(cache) == 1:  # step 0: plain causal attention (right padding never reaches a real query)
             out = attend(q, k, v, causal=True)
         else:
-            out = ttt_attention(q, cache, self.nh // self.nkv)  # [B, nh, T, hd]
+            out = ttt_attention(q, cache, self.nh // self.nkv, self.chunk)  # [B, nh, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
     def infer(self, x, cos, sin, past: tuple[torch.Tensor, torch.Tensor] | None, allowed: torch.Tensor):
@@ -148,28 +158,51 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), (k, v)
 
 
-def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], rep: int) -> torch.Tensor:
+def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], rep: int,
+                  chunk: int = 0) -> torch.Tensor:
     """Attention of step k = len(cache) - 1 >= 1, written out (SpecForge does the same).
 
     Scores are the causal [T, T] block against step-0 keys plus one score per later
     step j (the key at the query's own position), softmaxed together. A fused kernel
     over all (k+1)*T keys with a mask would do k+1 times the work for k diagonals.
     q: [B, nh, T, hd]; cache[j] = (K_j, V_j), each [B, nkv, T, hd]; nh = nkv * rep.
+    chunk > 0: `chunk` queries at a time (each sees the step-0 keys up to its own position only),
+    each block's scores recomputed in backward, so [chunk, T] scores per head are alive, not [T, T].
     """
-    B, nh, T, hd = q.shape
-    nkv = nh // rep
-    qg = q.view(B, nkv, rep, T, hd) * hd ** -0.5  # [B, nkv, rep, T, hd] (GQA: heads grouped by KV head)
-    k0, v0 = cache[0]
-    s0 = qg @ k0[:, :, None].transpose(-1, -2)  # [B, nkv, rep, T, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # [T, T]
+    T = q.shape[2]
+    step = chunk or T
+    if T <= step:
+        return _ttt_block(0, q, cache[0][0], cache[0][1], *[k for k, _ in cache[1:]], *[v for _, v in cache[1:]],
+                          rep=rep)
+    recompute = torch.is_grad_enabled()
+    outs = []
+    for a in range(0, T, step):
+        b = min(a + step, T)
+        args = (q[:, :, a:b], cache[0][0][:, :, :b], cache[0][1][:, :, :b],
+                *[k[:, :, a:b] for k, _ in cache[1:]], *[v[:, :, a:b] for _, v in cache[1:]])
+        outs.append(torch.utils.checkpoint.checkpoint(_ttt_block, a, *args, rep=rep, use_reentrant=False)
+                    if recompute else _ttt_block(a, *args, rep=rep))
+    return torch.cat(outs, dim=2)
+
+
+def _ttt_block(a: int, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, *diag: torch.Tensor,
+               rep: int) -> torch.Tensor:
+    """The TTT attention of the queries at positions a..a+C-1: q [B, nh, C, hd]; k0, v0 [B, nkv, S, hd]
+    the step-0 keys and values at positions 0..S-1 (S = a + C); diag = K_1..K_k then V_1..V_k, each
+    [B, nkv, C, hd] at the queries' own positions. -> [B, nh, C, hd]"""
+    B, nh, C, hd = q.shape
+    nkv, S = nh // rep, k0.shape[2]
+    ks, vs = diag[:len(diag) // 2], diag[len(diag) // 2:]
+    qg = q.view(B, nkv, rep, C, hd) * hd ** -0.5  # [B, nkv, rep, C, hd] (GQA: heads grouped by KV head)
+    s0 = qg @ k0[:, :, None].transpose(-1, -2)  # [B, nkv, rep, C, S]
+    causal = torch.arange(S, device=q.device)[None] <= torch.arange(a, a + C, device=q.device)[:, None]  # [C, S]
     s0 = s0.masked_fill(~causal, float("-inf"))
-    diag = torch.stack([(qg * kj[:, :, None]).sum(-1) for kj, _ in cache[1:]], dim=-1)  # [B, nkv, rep, T, k]
-    w = torch.cat([s0, diag], dim=-1).softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-    # w: [B, nkv, rep, T, T + k]
-    out = w[..., :T] @ v0[:, :, None]  # [B, nkv, rep, T, hd]
-    vs = torch.stack([vj for _, vj in cache[1:]], dim=-1)  # [B, nkv, T, hd, k]
-    out = out + torch.einsum("bgrtk,bgtdk->bgrtd", w[..., T:], vs)
-    return out.reshape(B, nh, T, hd)
+    d = torch.stack([(qg * kj[:, :, None]).sum(-1) for kj in ks], dim=-1)  # [B, nkv, rep, C, k]
+    w = torch.cat([s0, d], dim=-1).softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    # w: [B, nkv, rep, C, S + k]
+    out = w[..., :S] @ v0[:, :, None]  # [B, nkv, rep, C, hd]
+    out = out + torch.einsum("bgrtk,bgtdk->bgrtd", w[..., S:], torch.stack(vs, dim=-1))
+    return out.reshape(B, nh, C, hd)
 
 
 class MidLayer(nn.Module):
@@ -250,19 +283,25 @@ class Eagle3Draft(nn.Module):
         """[Vd] target ids of the draft vocabulary."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
-    def step(self, input_ids, hidden, positions, cache, rows: torch.Tensor | None = None):
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head: pre-norm states [..., H] -> draft-vocabulary logits [..., Vd]."""
+        return self.lm_head(self.norm(h))
+
+    def step(self, input_ids, hidden, positions, cache, rows: torch.Tensor | None = None, head: bool = True):
         """One draft step. input_ids [B, T]; hidden [B, T, H] (fused aux states at step 0,
         the previous step's output after); positions [B, T]; rows [B, T] bool: the positions
-        whose logits are wanted (None: all).
+        whose logits are wanted (None: all); head=False: no logits (training computes them in
+        row chunks, `training_step`).
         Returns (pre-norm hidden [B, T, H] to feed back, logits [B, T, Vd], or [N, Vd] at
         `rows` in row-major order: the head, the largest matmul, runs only where it is read)."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)
         ckpt = self.gradient_checkpointing and self.training
         out = self.midlayer(embeds, hidden, cos, sin, cache, checkpoint=ckpt)
-        head = lambda h: self.lm_head(self.norm(h))  # noqa: E731
+        if not head:
+            return out, None
         h = out if rows is None else out[rows]
-        return out, (torch.utils.checkpoint.checkpoint(head, h, use_reentrant=False) if ckpt else head(h))
+        return out, (torch.utils.checkpoint.checkpoint(self.logits, h, use_reentrant=False) if ckpt else self.logits(h))
 
 
 class Eagle3Proposer:
@@ -398,22 +437,31 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
     greedy = to_draft_ids(draft, batch["target_argmax"].long().clamp(min=0)) if "ce" in spec else None  # [B, T]
     loss = hidden.new_zeros((), dtype=torch.float32)
     step_loss, correct, count, alpha = [], [], [], []
+
+    def row_objective(h, at, label):  # [r, H], [r] flat index of p's row, [r] -> loss [r], hit [r], α [r]
+        logits = draft.logits(h)  # [r, Vd]
+        target_p = p.flatten(0, 1)[at]  # [r, Vd] the target's distribution for token i+2+k
+        logq = torch.log_softmax(logits.float(), dim=-1)  # [r, Vd] once: the objective and the acceptance
+        with torch.no_grad():
+            alpha = losses.acceptance(logq.detach(), target_p)
+            hit = logits.argmax(-1) == target_p.argmax(-1)
+        return losses.objective_rows(spec, logits, target_p, label, cfg.lk_eta, logq), hit, alpha
+
     for k in range(cfg.ttt_steps):
         tokens = shift_left(ids, 1 + k)  # [B, T] token i+1+k
         valid = shift_left(loss_mask, 2 + k).bool() & attn.bool()  # [B, T] token i+2+k is an assistant token
         b, i = valid.nonzero(as_tuple=True)  # the N positions the loss reads (i + 2 + k < T)
-        target_p = p[b, i + 1 + k]  # [N, Vd] the target's distribution for token i+2+k
-        hidden, logits = draft.step(tokens, hidden, base_pos + k, cache, rows=valid)  # logits [N, Vd]
-        label = greedy[b, i + 1 + k] if greedy is not None else None  # [N] the target's greedy token, as a draft id
-        logq = torch.log_softmax(logits.float(), dim=-1)  # [N, Vd] once: the objective and the acceptance
-        loss_k = losses.per_sample_mean(losses.objective_rows(spec, logits, target_p, label, cfg.lk_eta, logq), valid)
+        hidden, _ = draft.step(tokens, hidden, base_pos + k, cache, head=False)
+        # [N] the target's greedy token as a draft id (-1: none; read by ce only)
+        label = greedy[b, i + 1 + k] if greedy is not None else torch.full_like(b, -1)
+        rows, hit, a = losses.in_row_chunks(row_objective, (hidden[valid], b * T + i + 1 + k, label),
+                                            cfg.loss_chunk_rows, recompute=draft.gradient_checkpointing)
+        loss_k = losses.per_sample_mean(rows, valid)
         loss = loss + (cfg.step_decay ** k) * loss_k
         step_loss.append(loss_k.detach())
-        with torch.no_grad():
-            # the target's top token outside the draft vocab is a sure reject under greedy verification
-            hit = (logits.argmax(-1) == target_p.argmax(-1)) & in_vocab[b, i + 1 + k]
-            alpha.append(losses.acceptance(logq.detach(), target_p).sum())
-        correct.append(hit.sum())
+        # the target's top token outside the draft vocab is a sure reject under greedy verification
+        correct.append((hit & in_vocab[b, i + 1 + k]).sum())
+        alpha.append(a.sum())
         count.append(valid.sum())
     return StepMetrics(loss=loss, position_loss=torch.stack(step_loss), correct=torch.stack(correct),
                        count=torch.stack(count), alpha=torch.stack(alpha), alpha_rows=torch.stack(count))
