@@ -45,7 +45,8 @@ from matplotlib.figure import Figure
 
 from export import formats, policy
 from export.hub import COMPARE_SIGNED
-from recipes._common import load_proposer, one_line_errors, parse_flags, prompt_encoder, prompt_ids, target_for
+from export.load import load_proposer
+from recipes._common import one_line_errors, parse_flags, prompt_encoder, prompt_ids, target_for
 from trainer import serving
 from trainer.config import CompareConfig, to_yaml
 from trainer.data.buckets import context_prompts

@@ -24,10 +24,9 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from export import formats
+from export.load import check_options, load_proposer
 from recipes._common import (
-    check_options,
     default_num_draft_tokens,
-    load_proposer,
     one_line_errors,
     parse_flags,
     prompt_encoder,

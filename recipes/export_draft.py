@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 from export import formats, quark
-from recipes._common import load_proposer, one_line_errors, parse_flags, prompt_ids, target_for
+from export.load import load_proposer
+from recipes._common import one_line_errors, parse_flags, prompt_ids, target_for
 from trainer.config import ExportConfig, to_yaml
 from trainer.data.chat import read_template, template_file
 from trainer.data.evalsets import dataset_file, load_prompts

@@ -64,7 +64,7 @@ def main() -> None:
     rows[f"HF prompt lookup (N={N})"] = (hf(prompt_lookup_num_tokens=N), None)
     rows[f"in-tree speculative, n-gram (N={N})"] = in_tree(NGramDraft())
     if args.draft:
-        from recipes._common import load_proposer
+        from export.load import load_proposer
 
         proposer, name = load_proposer(args.draft, target)
         rows[f"in-tree speculative, {name.split(' ')[0]} (N={N})"] = in_tree(proposer)

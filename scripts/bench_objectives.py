@@ -59,7 +59,7 @@ def train(cap: Path, out: Path, n: int, loss: str, optimizer: str) -> dict:
 
 def measure(draft: Path, out: Path, prompts: dict, max_new: int, group: int = 1) -> dict:
     """τ per dataset (N = 3, greedy, in-tree) and its standard error over groups of `group` prompts."""
-    from recipes._common import load_proposer
+    from export.load import load_proposer
     from trainer.speculative import measure as decode
     from trainer.target import load_target
 

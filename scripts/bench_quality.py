@@ -131,7 +131,7 @@ def measure_vllm(draft: Path, out: Path, prompts: dict, max_new: int) -> dict:
 
 
 def measure_in_tree(draft: Path, out: Path, prompts: dict, max_new: int, n: int) -> dict:
-    from recipes._common import load_proposer
+    from export.load import load_proposer
     from trainer.speculative import measure
     from trainer.target import load_target
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from export.load import load_proposer
 from recipes import capture, prepare, train
-from recipes._common import load_proposer
 from trainer.config import CaptureConfig, PrepareConfig, TrainConfig, load_config
 from trainer.data.evalsets import chat_prompt_ids, load_prompts
 from trainer.data.shards import bytes_per_token

@@ -18,7 +18,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from recipes._common import load_proposer, target_for
+from export.load import load_proposer
+from recipes._common import target_for
 from trainer.data.evalsets import chat_prompt_ids, load_prompts
 from trainer.metrics import sampled_acceptance_agreement
 from trainer.speculative import DecodeStats, Sampling, generate

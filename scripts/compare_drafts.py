@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from export.load import load_proposer
 from recipes import export_draft as export_recipe
 from recipes import train
-from recipes._common import load_proposer
 from trainer.config import ExportConfig, TrainConfig, load_config
 from trainer.data.evalsets import chat_prompt_ids, load_prompts
 from trainer.speculative import measure

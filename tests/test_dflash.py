@@ -305,8 +305,8 @@ def test_fp8_export_is_measured_in_tree_as_vllm_computes_it(trained, tmp_path, t
     with it is lossless, and the gate's τ is the in-tree decoder's on it."""
     from export import formats
     from export.fp8_reload import FP8DynamicLinear
+    from export.load import load_proposer
     from recipes import export_draft as export_recipe
-    from recipes._common import load_proposer
     from trainer.speculative import measure
 
     out, _ = trained

@@ -329,8 +329,8 @@ def test_an_export_is_measured_with_the_options_vllm_reads_from_it(trained, tmp_
     """`--draft-option draft_topk=K` is written where vLLM reads it (config.json
     dspark_draft_topk); the in-tree decoder measuring that export proposes with the same K
     (as vLLM serves it), unless eval names the option itself."""
+    from export.load import load_proposer
     from recipes import export_draft as export_recipe
-    from recipes._common import load_proposer
     from trainer.drafts.folder import load_draft
 
     out, _ = trained

@@ -189,7 +189,7 @@ def test_vllm_serves_both_drafts_as_the_in_tree_decoder_counts(run, gemma):
     262k-token head, accepts at the first only (its rejections at the others are counted alike);
     the tiny Gemma-3's DFlash draft is count-equal at every position
     (tests/test_target_families.py)."""
-    from recipes._common import load_proposer
+    from export.load import load_proposer
     from trainer.speculative import DecodeStats, generate
     from trainer.vllm import checks
 

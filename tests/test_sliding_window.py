@@ -382,7 +382,7 @@ def test_windowed_dflash_in_vllm_counts_what_the_in_tree_decoder_counts(windowed
     per-position count equal the in-tree decoder's, on prompts all longer than the window. The
     same weights without the window propose differently on those prompts and count differently:
     vLLM's counts hold only with the window applied as vLLM applies it."""
-    from recipes._common import load_proposer
+    from export.load import load_proposer
     from trainer.vllm import checks
 
     prompts = windowed["prompts"]

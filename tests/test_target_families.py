@@ -684,7 +684,7 @@ def test_vllm_serves_every_served_familys_drafts_as_the_in_tree_decoder_counts(f
     accepts, and the output is the target's own greedy answer. Through draftsmith's vLLM plugin
     every export of its families is served, and the (architecture, method) pairs served so are
     exactly what the plugin's VERIFIED_METHODS lists (with this test as their proof)."""
-    from recipes._common import load_proposer
+    from export.load import load_proposer
     from tests.conftest import require_vllm
     from trainer.speculative import DecodeStats, generate
     from trainer.vllm import checks

