@@ -127,6 +127,50 @@ def test_no_recipe_file_shadows_a_package():
     assert not sorted(set(runner_stems) & (taken | {"vllm"})), runner_stems  # run by path in vLLM's env too
 
 
+# vLLM's runners run in vLLM's environment, which has none of draftsmith's own dependencies: what they
+# may import (docs/design.md, "The parts and the arrows"), besides the standard library and each other.
+RUNNER_THIRD_PARTY = {"vllm", "torch", "safetensors", "ray"}
+RUNNER_MAY_IMPORT = {"trainer.data.shards": "the shard writer (capture, producer)",
+                     "trainer.online.wire": "the online wire format (producer)"}
+
+
+def test_the_runners_import_only_what_vllms_environment_has():
+    """The runners import only vllm, torch, safetensors, Ray, the standard library, one another and
+    of draftsmith only the modules that define a wire format; those modules, and everything they
+    reach in draftsmith (its packages' __init__ files too), import nothing vLLM's environment lacks."""
+    runner_dir = REPO / "trainer" / "vllm" / "runners"
+    runners = {p.stem for p in runner_dir.glob("*.py")}
+    mods, wrong, reached = modules(), [], []
+    for path in sorted(runner_dir.glob("*.py")):
+        for imported, line, _ in imports(path):
+            top = imported.split(".")[0]
+            where = f"{path.relative_to(REPO)}:{line} imports {imported}"
+            if top in PACKAGES:
+                module = imported if imported in mods else imported.rpartition(".")[0]
+                if module in RUNNER_MAY_IMPORT:
+                    reached.append(module)
+                else:
+                    wrong.append(f"{where} (of draftsmith only {', '.join(RUNNER_MAY_IMPORT)})")
+            elif top not in RUNNER_THIRD_PARTY | runners | set(sys.stdlib_module_names):
+                wrong.append(f"{where}: not in vLLM's environment")
+    assert sorted(set(reached)) == sorted(RUNNER_MAY_IMPORT), reached  # each allowance is used
+    seen = set()
+    while reached:  # what those modules reach, and the packages Python runs on the way
+        name = reached.pop()
+        for k in range(1, name.count(".") + 2):
+            package = ".".join(name.split(".")[:k])
+            if package in mods and package not in seen:
+                seen.add(package)
+                for imported, line, _ in imports(mods[package]):
+                    top = imported.split(".")[0]
+                    if top in PACKAGES:
+                        reached.append(imported if imported in mods else imported.rpartition(".")[0])
+                    elif top not in RUNNER_THIRD_PARTY | set(sys.stdlib_module_names):
+                        wrong.append(f"{mods[package].relative_to(REPO)}:{line} imports {imported}, which a runner "
+                                     "reaches in vLLM's environment")
+    assert not wrong, wrong
+
+
 RECIPES = ["prepare", "capture", "train", "eval", "compare", "export_draft", "upload", "demo"]
 
 

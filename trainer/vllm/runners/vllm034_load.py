@@ -26,8 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
+
+from runner_common import one_rank_world
 
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # before vllm is imported: else no platform resolves
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -57,7 +58,6 @@ def load(job: dict) -> dict:
     import vllm
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -71,13 +71,7 @@ def load(job: dict) -> dict:
         from vllm.distributed.parallel_state import model_parallel_is_initialized
 
         if not model_parallel_is_initialized():
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
-            initialize_model_parallel(1, 1)
+            one_rank_world()
         with set_default_torch_dtype(cfg.model_config.dtype):
             model = initialize_model(vllm_config=cfg, model_config=cfg.speculative_config.draft_model_config)
         for name, p in model.named_parameters():  # NaN sentinel: a tensor the export lacks stays NaN

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from runner_common import beside_draftsmith
 
 
 def main() -> None:
@@ -51,9 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     with open(args.settings) as f:
         cfg = json.load(f)
-    sys.path.insert(0, str(HERE))  # the connector module, for vLLM to import by name
-    sys.path.insert(1, str(HERE.parents[2]))  # draftsmith's shard writer (trainer/data/shards.py)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])  # TP workers too
+    beside_draftsmith()  # the connector for vLLM (and its TP workers) by name; draftsmith's shard writer
 
     from safetensors.torch import load_file
 

@@ -39,8 +39,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
+
+from runner_common import one_rank_world
 
 
 def main() -> None:
@@ -74,7 +75,6 @@ def run_job(args, first: bool) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
@@ -114,13 +114,7 @@ def run_job(args, first: bool) -> None:
 
     with set_current_vllm_config(cfg):
         if first:
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-            sock.close()
-            init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                         local_rank=0, backend="gloo")
-            initialize_model_parallel(1, 1)
+            one_rank_world()
         with set_default_torch_dtype(cfg.model_config.dtype):  # as vLLM's model loader builds it
             model = initialize_model(vllm_config=cfg, model_config=sc.draft_model_config)  # via the registry
         want = Qwen3DSparkForCausalLM if dspark else Eagle3LlamaForCausalLM if eagle3 else DFlashQwen3ForCausalLM

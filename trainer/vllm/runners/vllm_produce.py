@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from runner_common import beside_draftsmith
 
 
 def end_group(signum=signal.SIGTERM, frame=None) -> None:
@@ -70,9 +70,7 @@ def main() -> None:
     die_with_trainer(args.trainer_pid)
     with open(args.settings) as f:
         settings = json.load(f)
-    sys.path.insert(0, str(HERE))  # the connector and the states engine
-    sys.path.insert(1, str(HERE.parents[2]))  # draftsmith's shard writer and wire format
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])  # TP workers too
+    beside_draftsmith()  # the connector and the states engine; draftsmith's shard writer and wire format
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
     import ray
