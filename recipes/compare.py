@@ -65,7 +65,7 @@ from trainer.io import (
     sha256_file,
     write_run_files,
 )
-from trainer.metrics import sampled_acceptance_agreement, speculation_cutoff
+from trainer.metrics import sampled_acceptance_agreement
 from trainer.speculative import DecodeStats, NGramDraft, Sampling, TargetSession, generate
 from trainer.target import load_target, resolve_target
 from trainer.vllm import checks
@@ -145,8 +145,8 @@ def run(cfg: CompareConfig, argv=None) -> dict:
     report["knobs"] = knob_lines(cfg, candidates)
     candidates[:] = [c for c in candidates if not c.get("unavailable")]  # a knob this vLLM lacks: one line, above
     report["candidates"] = [{k: v for k, v in c.items() if k != "proposer"} for c in candidates]
-    report["recommendations"] = recommendations = recommend(report["predictions"], candidates, cfg.concurrency)
-    report["dynamic_configs"] = dynamic_configs(cfg.concurrency, candidates, report["predictions"])
+    report["recommendations"] = recommendations = serving.recommend(report["predictions"], candidates, cfg.concurrency)
+    report["dynamic_configs"] = serving.dynamic_configs(cfg.concurrency, candidates, report["predictions"])
     if cfg.context_buckets:  # τ and tokens/s per context length, and where serving without speculation wins
         report.update(by_context(cfg, target, candidates))
     # publish: the report, the plot, a serving config per concurrency, the run files, built in a
@@ -267,17 +267,6 @@ def target_step_seconds(target, context: list[int], b: int, w: int, repeats: int
     return statistics.median(times[1:])
 
 
-def wider_costs_more(seconds: dict[int, float]) -> dict[int, float]:
-    """A forward over more tokens never costs less than one over fewer (the same rows, the same
-    context): timing noise below that is taken out (a running maximum over the widths), so that a
-    draft that accepts nothing can never look faster than no speculation."""
-    out, most = {}, 0.0
-    for w in sorted(seconds):
-        most = max(most, seconds[w])
-        out[w] = most
-    return out
-
-
 def acceptance(target, proposer, prompts, max_new_tokens: int, n: int, temperature: float = 0.0) -> dict:
     """One candidate at N, decoded one prompt at a time (as `draftsmith eval` and vLLM count), greedy
     or sampled at `temperature` (prompt i seeded with i); per prompt its decoding steps and output
@@ -307,7 +296,7 @@ def in_tree_costs(target, candidates, prompts, cfg) -> dict:
     b x tokens per step / (share x (V(b, N+1) + D(b, N)) + (1 - share) x V(b, 1)); none: b / V(b, 1)."""
     context = context_for(prompts, cfg.max_new_tokens)
     widths = sorted({1} | {n + 1 for c in candidates for n in c["ns"]})
-    verify_s = {b: wider_costs_more({w: target_step_seconds(target, context, b, w) for w in widths})
+    verify_s = {b: serving.wider_costs_more({w: target_step_seconds(target, context, b, w) for w in widths})
                 for b in cfg.concurrency}
     rows = [{"candidate": "no speculation", "n": 0, "concurrency": b, "tokens_per_s": b / verify_s[b][1]}
             for b in cfg.concurrency]
@@ -368,7 +357,7 @@ def served_in_vllm(target, candidates, prompts, cfg) -> dict:
     rows, served = [], {}
     # plain decoding: one step per token after the prompt's (its outputs are every candidate's, checked below)
     none_steps = [[len(o) - 1, len(o)] for o in plain[0]["outputs"]]
-    rows += predicted_and_measured("no speculation", 0, plain, none_steps, lengths)
+    rows += serving.predicted_and_measured("no speculation", 0, plain, none_steps, lengths)
     for c, r in zip(candidates, results[1:]):
         if "unservable" in r and c.get("knob"):  # a knob this vLLM lacks or refuses: said, not predicted
             c["unavailable"] = r["unservable"]
@@ -380,7 +369,7 @@ def served_in_vllm(target, candidates, prompts, cfg) -> dict:
         for n in c["ns"]:
             mine = [row for row in r["sweep"] if row["n"] == n]
             a = c["by_n"][n]["acceptance"]
-            rows += predicted_and_measured(c["name"], n, mine, a["per_prompt"], lengths)
+            rows += serving.predicted_and_measured(c["name"], n, mine, a["per_prompt"], lengths)
             c["by_n"][n]["vllm"] = [{"concurrency": row["concurrency"], "repeat": row.get("repeat", 0),
                                      "tokens_per_s": row["tokens"] / row["seconds"],
                                      "counts_equal": None if not c.get("in_tree_model", True) else
@@ -462,152 +451,6 @@ def same_rates(vllm_spec: dict, ours: dict, n: int) -> bool:
         (theirs[:n], vllm_spec["num_drafts"]), (ours["accepted_per_position"], ours["num_drafts"])))
 
 
-def predicted_and_measured(name, n, servings, per_prompt, lengths) -> list[dict]:
-    """One (candidate, N) at each concurrency: the prediction from vLLM's step costs (measured over
-    all its servings) and the in-tree steps per prompt, and the served tokens/s of every repeated
-    serving (their mean, its standard error; the prediction's error against the mean)."""
-    step_s, prompt_s = step_costs(servings)
-    requests = [(steps + 1, length) for (steps, _), length in zip(per_prompt, lengths)]  # + the prompt's step
-    tokens = sum(t for _, t in per_prompt)
-    rows = []
-    for b in dict.fromkeys(row["concurrency"] for row in servings):
-        runs = [row["tokens"] / row["seconds"] for row in servings if row["concurrency"] == b]
-        predicted = tokens / simulate(requests, b, step_s, prompt_s)
-        mean, se = serving.spread(runs)
-        rows.append({"candidate": name, "n": n, "concurrency": b, "tokens_per_s": predicted,
-                     "measured_tokens_per_s": mean, "measured_runs": runs, "measured_se": se,
-                     "error": predicted / mean - 1})
-    return rows
-
-
-def step_costs(servings) -> tuple[dict[int, float], float]:
-    """vLLM's seconds per engine step with k requests in flight (the mean over the steps that sent
-    no prompt, plus the client's own time between steps, spread over every step) and per prompt
-    token sent (the steps that sent one: their excess over that, per token). Means, not medians:
-    served tokens/s is total tokens over total time, so a slow step counts at its full length."""
-    by_k: dict[int, list[float]] = {}
-    for row in servings:
-        for seconds, k, sent in row["steps"]:
-            if not sent:
-                by_k.setdefault(k, []).append(seconds)
-    steps = [step for row in servings for step in row["steps"]]
-    client_s = max(0.0, sum(row["seconds"] for row in servings) - sum(s for s, _, _ in steps)) / len(steps)
-    step_s = {k: statistics.fmean(v) + client_s for k, v in sorted(by_k.items())}
-    sent = sum(n for _, _, n in steps)
-    excess = sum(seconds + client_s - at(step_s, k) for seconds, k, n in steps if n)
-    return step_s, max(0.0, excess / sent) if sent else 0.0
-
-
-def at(step_s: dict[int, float], k: int) -> float:
-    """The step time with k in flight: measured, else linear between the nearest measured (or the nearest)."""
-    if k in step_s:
-        return step_s[k]
-    below = [j for j in step_s if j < k]
-    above = [j for j in step_s if j > k]
-    if not below or not above:
-        return step_s[max(below) if below else min(above)]
-    lo, hi = max(below), min(above)
-    return step_s[lo] + (step_s[hi] - step_s[lo]) * (k - lo) / (hi - lo)
-
-
-def simulate(requests: list[tuple[int, int]], b: int, step_s: dict[int, float], prompt_s: float) -> float:
-    """Seconds to serve `requests` ((engine steps, prompt tokens) each) as a client keeping b in
-    flight: every engine step advances each request in flight by one step and costs the step time
-    at that many requests, plus the prompt cost of the requests sent before it (vLLM's continuous
-    batching, its costs measured)."""
-    pending, running, seconds = list(requests), [], 0.0
-    while pending or running:
-        sent = 0
-        while pending and len(running) < b:
-            steps, prompt = pending.pop(0)
-            running.append(steps)
-            sent += prompt
-        seconds += at(step_s, len(running)) + sent * prompt_s
-        running = [r - 1 for r in running if r > 1]
-    return seconds
-
-
-def runs_of(p: dict) -> list[float]:
-    """The tokens/s a row was decided on: every serving of it, else its prediction (--no-vllm)."""
-    return p.get("measured_runs") or [p.get("measured_tokens_per_s", p["tokens_per_s"])]
-
-
-def simplicity(candidates):
-    """A sort key, smaller = simpler: no speculation, vLLM's n-gram, a BF16 draft, an FP8 one; a draft
-    without a vLLM knob before one with it; then N."""
-    by_name = {c["name"]: c for c in candidates}
-
-    def key(p: dict) -> tuple:
-        c = by_name.get(p["candidate"]) or {}
-        kind = 0 if p["n"] == 0 else 1 if c.get("method") == "ngram" else 3 if c.get("fp8") else 2
-        return kind, len(c.get("knob") or {}), p["n"]
-
-    return key
-
-
-def eligible(predictions, candidates, b: int) -> list[dict]:
-    """The rows at load b a recommendation may take: served (not in-tree only), not excluded."""
-    out = {c["name"] for c in candidates if c.get("excluded")}
-    return [p for p in predictions if p["concurrency"] == b and not p.get("in_tree") and p["candidate"] not in out]
-
-
-def recommend(predictions, candidates, concurrency) -> dict:
-    """For each concurrency what to serve (trainer/serving.py `choose`: the simplest configuration
-    no other beats beyond the noise of its repeated servings) and the runner-up (the fastest other
-    candidate), each with its --speculative-config (None: serve without speculation). A candidate
-    the installed vLLM cannot serve, or that served unfaithfully (`exclude_unfaithful`), is never
-    recommended."""
-    configs = {c["name"]: c["config"] for c in candidates}
-    out = {}
-    for b in concurrency:
-        cells = [{**p, "runs": runs_of(p)} for p in eligible(predictions, candidates, b)]
-        best, fastest, why = serving.choose(cells, simplicity(candidates))
-        others = [p for p in cells if p["candidate"] != best["candidate"]]
-        runner = max(others, key=lambda p: serving.spread(p["runs"])[0]) if others else None
-
-        def entry(p):
-            if p is None:
-                return None
-            config = None if p["n"] == 0 else {**configs[p["candidate"]], "num_speculative_tokens": p["n"]}
-            return {**{k: v for k, v in p.items() if k != "runs"}, "config": config}
-
-        out[b] = {"best": entry(best), "runner_up": entry(runner), "why": why,
-                  "fastest": {"candidate": fastest["candidate"], "n": fastest["n"]}}
-    return out
-
-
-def draft_or_plain(c: dict, concurrency: list[int], candidates, predictions,
-                   knobs: bool = False) -> dict[int, tuple[dict, str]]:
-    """Per load, this draft (at its N; with `knobs`, also with each vLLM knob served) or plain
-    decoding, whichever trainer/serving.py's rule serves between them alone, and why; plain decoding
-    wherever the draft was excluded or not served."""
-    mine = {c["name"], "no speculation"} | ({x["name"] for x in candidates if x.get("base") == c["name"]}
-                                           if knobs else set())
-    out = {}
-    for b in concurrency:
-        cells = [{**p, "runs": runs_of(p)} for p in eligible(predictions, candidates, b) if p["candidate"] in mine]
-        chosen, _, why = serving.choose(cells, simplicity(candidates))
-        out[b] = ({k: v for k, v in chosen.items() if k != "runs"}, why)
-    return out
-
-
-def dynamic_configs(concurrency: list[int], candidates, predictions) -> dict:
-    """Per draft served faithfully, one --speculative-config for every load: at each concurrency the
-    N it is served at (its own best, the simplest within the noise; 0 where serving without
-    speculation is not beaten beyond the noise) as vLLM's batch-size schedule
-    (`num_speculative_tokens_per_batch_size`: ranges from 1, trainer/serving.py `schedule`)."""
-    out = {}
-    for c in candidates:
-        if c["method"] == "ngram" or c.get("excluded") or c.get("not_served"):
-            continue
-        n_at = {b: row["n"] for b, (row, _) in draft_or_plain(c, concurrency, candidates, predictions).items()}
-        if not any(n_at.values()):  # never faster than plain decoding: no schedule to serve it with
-            continue
-        out[c["name"]] = {**c["config"], "num_speculative_tokens": max(n_at.values()),
-                          "num_speculative_tokens_per_batch_size": serving.schedule(concurrency, n_at)}
-    return out
-
-
 def write_policies(report: dict, candidates) -> list[Path]:
     """--write-policy: each export's serving policy into the export (export/policy.py), recorded."""
     written = []
@@ -615,7 +458,7 @@ def write_policies(report: dict, candidates) -> list[Path]:
     for c in candidates:
         if not c.get("export") or c.get("knob"):
             continue
-        chosen = draft_or_plain(c, report["concurrency"], candidates, report["predictions"], knobs=True)
+        chosen = serving.draft_or_plain(c, report["concurrency"], candidates, report["predictions"], knobs=True)
         plain = {b: next(p for p in report["predictions"] if p["concurrency"] == b and p["n"] == 0)
                  for b in report["concurrency"]}
         # the one config for every load: that of the configuration chosen at the most loads (the draft's
@@ -637,7 +480,7 @@ def by_context(cfg: CompareConfig, target, candidates) -> dict:
     every N, then served in vLLM, or in-tree costs with --no-vllm) on each bucket's own prompts
     (trainer/data/buckets.py: L - max_new_tokens tokens under the prompts' template), and per
     candidate and concurrency the context length above which serving without speculation is the
-    choice (trainer/metrics.py `speculation_cutoff`, on the candidate's fastest N per bucket)."""
+    choice (trainer/serving.py `speculation_cutoff`, on the candidate's fastest N per bucket)."""
     encode = prompt_encoder(target, cfg.drafts[0] if cfg.drafts else "ngram", cfg.chat_template, False,
                             "compare --chat-template")
     buckets = []
@@ -666,17 +509,18 @@ def by_context(cfg: CompareConfig, target, candidates) -> dict:
         for b in cfg.concurrency:
             rows = []
             for bucket in buckets:
-                here = [p for p in eligible(bucket["predictions"], bucket["_candidates"], b)
+                here = [p for p in serving.eligible(bucket["predictions"], bucket["_candidates"], b)
                         if p["candidate"] == c["name"]]
                 if not here:  # excluded or not served at this bucket: no figure to decide on
                     continue
-                best = max(here, key=lambda p: serving.spread(runs_of(p))[0])
+                best = max(here, key=lambda p: serving.spread(serving.runs_of(p))[0])
                 plain = next(p for p in bucket["predictions"] if p["concurrency"] == b and p["n"] == 0)
-                rows.append({"context": bucket["context"], "n": best["n"], "runs": runs_of(best),
-                             "plain_runs": runs_of(plain), "tokens_per_s": serving.spread(runs_of(best))[0],
-                             "plain_tokens_per_s": serving.spread(runs_of(plain))[0]})
+                runs, plain_runs = serving.runs_of(best), serving.runs_of(plain)
+                rows.append({"context": bucket["context"], "n": best["n"], "runs": runs, "plain_runs": plain_runs,
+                             "tokens_per_s": serving.spread(runs)[0],
+                             "plain_tokens_per_s": serving.spread(plain_runs)[0]})
             if rows:
-                cutoffs.append({"candidate": c["name"], "concurrency": b, **speculation_cutoff(rows),
+                cutoffs.append({"candidate": c["name"], "concurrency": b, **serving.speculation_cutoff(rows),
                                 "buckets": [{k: v for k, v in r.items() if not k.endswith("runs")} for r in rows]})
     for bucket in buckets:
         del bucket["_candidates"]

@@ -39,7 +39,8 @@ from trainer.data.chat import read_template, template_file
 from trainer.data.evalsets import dataset_file, load_prompts
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, atomic_write_text, check_space, ensure_dir, guard_output, write_run_files
-from trainer.metrics import CostModel, best_num_draft_tokens, bucket_report, speculation_cutoff
+from trainer.metrics import bucket_report
+from trainer.serving import CostModel, best_num_draft_tokens, speculation_cutoff
 from trainer.speculative import DecodeStats, NGramDraft, Sampling, measure
 from trainer.target import load_target, resolve_target
 

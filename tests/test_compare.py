@@ -11,6 +11,7 @@ import pytest
 from recipes import compare, train
 from recipes import export_draft as export_recipe
 from tests.conftest import GOOD_CHATS, REPO, splice_prepared, write_jsonl
+from trainer import serving
 from trainer.config import TrainConfig, load_config
 
 TINY = REPO / "recipes" / "configs" / "tiny" / "eagle3.yaml"
@@ -209,7 +210,7 @@ def test_a_draft_vllm_cannot_serve_is_never_recommended():
                     "measured_tokens_per_s": 12.0},
                    {"candidate": "dspark", "n": 3, "concurrency": 1, "tokens_per_s": 99.0, "in_tree": True,
                     "speedup": 9.0, "at_vllm_plain_tokens_per_s": 90.0}]
-    rec = compare.recommend(predictions, candidates, [1])[1]
+    rec = serving.recommend(predictions, candidates, [1])[1]
     assert (rec["best"]["candidate"], rec["best"]["n"]) == ("eagle3", 2)
     assert rec["best"]["config"] == {"method": "eagle3", "num_speculative_tokens": 2}
     assert rec["runner_up"]["candidate"] == "no speculation" and rec["runner_up"]["config"] is None
@@ -233,7 +234,7 @@ def test_identical_candidates_are_never_told_apart_and_a_real_difference_is():
 
     noisy_plain, noisy_draft = [36.0, 33.5, 38.9], [36.9, 39.6, 34.1]
     assert not serving.faster(noisy_draft, noisy_plain) and not serving.faster(noisy_plain, noisy_draft)
-    rec = compare.recommend([_cell("no speculation", 0, 1, noisy_plain), _cell("eagle3", 2, 1, noisy_draft)],
+    rec = serving.recommend([_cell("no speculation", 0, 1, noisy_plain), _cell("eagle3", 2, 1, noisy_draft)],
                             CANDIDATES, [1])[1]
     assert rec["best"]["config"] is None and rec["fastest"] == {"candidate": "eagle3", "n": 2}
     assert "within the noise" in rec["why"]
@@ -241,11 +242,11 @@ def test_identical_candidates_are_never_told_apart_and_a_real_difference_is():
     for _ in range(3):
         rows = [_cell("no speculation", 0, 4, [30.0, 30.2, 29.9]), _cell("eagle3", 3, 4, same),
                 _cell("eagle3 copy", 2, 4, list(reversed(same)))]
-        rec = compare.recommend(rows, CANDIDATES, [4])[4]
+        rec = serving.recommend(rows, CANDIDATES, [4])[4]
         assert (rec["best"]["candidate"], rec["best"]["n"]) == ("eagle3 copy", 2), rec  # the smaller N: simpler
     steady = [_cell("no speculation", 0, 1, [30.0, 30.6, 29.7]), _cell("eagle3", 3, 1, [34.6, 34.1, 35.0])]
     assert serving.faster([34.6, 34.1, 35.0], [30.0, 30.6, 29.7])
-    rec = compare.recommend(steady, CANDIDATES, [1])[1]
+    rec = serving.recommend(steady, CANDIDATES, [1])[1]
     assert rec["best"]["config"] == {"method": "eagle3", "model": "x", "num_speculative_tokens": 3}
     assert serving.faster([31.0], [30.0]) and not serving.faster([30.5], [30.0])  # one serving: 2% decides
 
@@ -258,8 +259,8 @@ def test_a_draft_served_unfaithfully_is_never_recommended():
     compare.exclude_unfaithful([c], "float32")
     assert c["excluded"].startswith("its outputs differ from vLLM's plain decoding (not lossless) at N=1")
     rows = [_cell("no speculation", 0, 1, [30.0]), _cell("eagle3", 1, 1, [60.0])]
-    assert compare.recommend(rows, [c], [1])[1]["best"]["config"] is None
-    assert compare.dynamic_configs([1], [c], rows) == {}
+    assert serving.recommend(rows, [c], [1])[1]["best"]["config"] is None
+    assert serving.dynamic_configs([1], [c], rows) == {}
     d = {**c, "by_n": c["by_n"]}
     d.pop("excluded")
     compare.exclude_unfaithful([d], "bfloat16")
@@ -288,12 +289,12 @@ def test_a_vllm_knob_is_served_only_beyond_the_noise_and_an_unavailable_one_is_s
     candidates = [base, knob]
     plain = _cell("no speculation", 0, 1, [30.0, 30.2, 29.9])
     close = [plain, _cell("eagle3", 2, 1, [40.0, 40.3, 39.8]), _cell("eagle3 + adaptive", 2, 1, [40.4, 39.9, 40.6])]
-    assert compare.recommend(close, candidates, [1])[1]["best"]["config"] == {**base["config"],
+    assert serving.recommend(close, candidates, [1])[1]["best"]["config"] == {**base["config"],
                                                                             "num_speculative_tokens": 2}
     far = [plain, _cell("eagle3", 2, 1, [40.0, 40.3, 39.8]), _cell("eagle3 + adaptive", 2, 1, [48.0, 48.2, 47.9])]
-    assert compare.recommend(far, candidates, [1])[1]["best"]["config"]["enable_adaptive_verification"] is True
+    assert serving.recommend(far, candidates, [1])[1]["best"]["config"]["enable_adaptive_verification"] is True
     report = {"concurrency": [1], "predictions": far, "dataset": "d", "prompts": 3, "max_new_tokens": 8,
-              "knobs": lines, "dynamic_configs": compare.dynamic_configs([1], candidates, far)}
+              "knobs": lines, "dynamic_configs": serving.dynamic_configs([1], candidates, far)}
     assert report["dynamic_configs"]["eagle3 + adaptive"]["enable_adaptive_verification"] is True
     made = []
     monkeypatch.setattr(policy, "write", lambda export, p: made.append(p) or tmp_path)  # as built, not written
@@ -317,7 +318,7 @@ def test_every_schedule_starts_at_one_and_passes_vllms_own_validator(tmp_path):
     rows = [_cell("no speculation", 0, 4, [50.0, 50.5, 49.8]), _cell("eagle3", 1, 4, [60.0, 60.4, 59.9]),
             _cell("eagle3", 2, 4, [55.0, 55.1, 54.9]), _cell("no speculation", 0, 16, [90.0, 90.5, 89.8]),
             _cell("eagle3", 1, 16, [80.0, 80.4, 79.9]), _cell("eagle3", 2, 16, [70.0, 70.1, 69.9])]
-    schedules = compare.dynamic_configs([4, 16], CANDIDATES[:1], rows)
+    schedules = serving.dynamic_configs([4, 16], CANDIDATES[:1], rows)
     assert schedules["eagle3"]["num_speculative_tokens_per_batch_size"] == [[1, 15, 1], [16, 16, 0]]
     require_vllm()
     path = tmp_path / "schedule.json"

@@ -13,7 +13,8 @@ from tests.test_chat import LLAMA3_STYLE
 from tests.test_nothing_lost import _unchanged
 from trainer.data import evalsets
 from trainer.errors import DataError
-from trainer.metrics import CostModel, best_num_draft_tokens, expected_accepted_length
+from trainer.metrics import expected_accepted_length
+from trainer.serving import CostModel, best_num_draft_tokens
 
 
 def test_expected_accepted_length_and_best_n_by_hand():

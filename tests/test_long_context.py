@@ -18,7 +18,7 @@ from trainer.data.collate import CapturedSamples, PreparedSamples
 from trainer.data.evalsets import chat_prompt_ids
 from trainer.data.shards import CaptureReader
 from trainer.errors import DataError
-from trainer.metrics import speculation_cutoff
+from trainer.serving import speculation_cutoff
 from trainer.target import resolve_target, target_hf_dir
 
 # a conversation of well over the tiny target's 512-token context (its tokenizer: ~1 token per 2 characters)
