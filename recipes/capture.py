@@ -28,7 +28,7 @@ from transformers import AutoConfig
 
 from recipes._common import one_line_errors, parse_args
 from trainer import faults
-from trainer.capture import capture_batch, right_pad, token_budget_batches
+from trainer.capture import sample_states, token_budget_batches
 from trainer.config import CaptureConfig, to_yaml
 from trainer.data.prepared import load_prepared
 from trainer.data.shards import (
@@ -38,7 +38,6 @@ from trainer.data.shards import (
     load_manifest,
     pack_samples,
     shard_name,
-    store_states,
     verify_capture,
     write_manifest,
     write_shard,
@@ -273,18 +272,12 @@ def produce(cfg: CaptureConfig, target, ds, plan: Plan, out: Path, todo: list[in
                      for row, r in zip(plan.shards[k], records)]  # the prepared row, and the record it came from
             samples: list[dict | None] = [None] * len(ids)
             for batch in token_budget_batches([len(x) for x in ids], cfg.max_tokens_per_batch):
-                input_ids, attention_mask = right_pad([ids[i] for i in batch], pad)  # [B, T]
-                states = capture_batch(target, input_ids, attention_mask, plan.layer_ids)
-                stored = {k: v.cpu() for k, v in store_states(states["aux_hidden_states"], states["last_hidden_state"],
-                                                              cfg.store_dtype, samples=[names[i] for i in batch],
-                                                              lengths=[len(ids[i]) for i in batch]).items()}
-                argmax = states["target_argmax"].cpu()
-                for r, i in enumerate(batch):
-                    T = len(ids[i])
-                    samples[i] = {"input_ids": torch.tensor(ids[i]), "loss_mask": torch.tensor(masks[i]),
-                                  "target_argmax": argmax[r, :T], **{k: v[r, :T] for k, v in stored.items()}}
-                    tokens += T
-                    bar.update(T)
+                made = sample_states(target, [ids[i] for i in batch], pad, plan.layer_ids, cfg.store_dtype,
+                                     [names[i] for i in batch])  # the loop online training runs too
+                for i, states in zip(batch, made):
+                    samples[i] = {"input_ids": torch.tensor(ids[i]), "loss_mask": torch.tensor(masks[i]), **states}
+                    tokens += len(ids[i])
+                    bar.update(len(ids[i]))
                 batches_run += 1
                 faults.maybe_die(faults.CAPTURE_AFTER_BATCHES, batches_run)  # tests: a kill mid-shard
             write_shard(out, k, pack_samples(samples, list(plan.shards[k])), plan.layer_ids)

@@ -69,7 +69,8 @@ def sample_states(target, seqs: Sequence[Sequence[int]], pad_id: int, aux_layer_
     """One padded forward over `seqs` -> per sequence, cut to its own length and on the CPU, the
     states online training reads: `target_argmax` and the stored aux/last states (`store_states`
     in `store_dtype`; `samples`: the prepared sample indices, named in its non-finite error).
-    The online hf engines (trainer/online/sources.py HFSource, producer.py) both make states here."""
+    The one transformers capture loop: offline capture (recipes/capture.py, into shards) and the
+    online hf engines (trainer/online/sources.py HFSource, producer.py) all make states here."""
     input_ids, attention_mask = right_pad(seqs, pad_id)  # [B, T]
     states = capture_batch(target, input_ids, attention_mask, aux_layer_ids)
     stored = store_states(states["aux_hidden_states"], states["last_hidden_state"], store_dtype, samples=samples,
