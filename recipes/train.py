@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin, InitProcessGroupKwargs
@@ -59,7 +60,7 @@ from trainer.metrics import simulated_tau
 from trainer.online.run import open_online
 from trainer.online.sources import StreamedSamples, epoch_plan
 from trainer.optim import build_optimizers, build_schedule
-from trainer.target import load_target, resolve_target
+from trainer.target import Target, load_target, resolve_target
 from trainer.vllm.servable import check_servable
 
 
@@ -309,9 +310,10 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
         accelerator.init_trackers("draftsmith", config={k: v for k, v in dataclasses.asdict(cfg).items()
                                                          if isinstance(v, (int, float, str, bool))})
     t0 = time.perf_counter()
+    run = Training(cfg, accelerator, algo, target, draft, model, optimizers, schedulers, loader, progress, total_steps,
+                   out, online, draft_cfg.num_positions)
     try:
-        history, tokens = _loop(cfg, accelerator, algo, target, draft, model, optimizers, schedulers, loader, progress,
-                                total_steps, out, online, draft_cfg.num_positions)
+        history, tokens = run.loop()
     finally:
         if online is not None:
             online.close()
@@ -338,75 +340,100 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
     return report
 
 
-def _loop(cfg: TrainConfig, accelerator, algo, target, draft, model, optimizers, schedulers, loader, progress,
-          total_steps: int, out: Path, online, positions: int) -> tuple[list[dict], float]:
-    """The training loop, from where `progress` stands: (the history logged, the tokens trained on)."""
-    window = _Window(positions, accelerator.device)
-    history = []
-    bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step",
-               disable=not accelerator.is_local_main_process)
-    t0, tokens = time.perf_counter(), 0
-    update_loss = torch.zeros((), device=accelerator.device)  # this update's micro-batch losses, summed
-    while progress.step < total_steps:
-        if online is not None:  # the epoch's plan: the samples this rank takes, from where a resumed run stands
-            plan, start = epoch_plan(loader, progress.epoch, progress.micro_in_epoch)
-            online.source.begin(plan, start)
-        elif hasattr(loader, "set_epoch"):
-            loader.set_epoch(progress.epoch)
-        epoch_loader = accelerator.skip_first_batches(loader, progress.micro_in_epoch) if progress.micro_in_epoch \
-            else loader
-        for batch in epoch_loader:
-            progress.micro_in_epoch += 1
-            batch = dequantize_states(batch)  # float8 states, on the device
-            with accelerator.accumulate(model):
-                labels = algo.target_labels(target, batch, draft)  # no grad
-                with accelerator.autocast():
-                    metrics = model(batch, labels)
-                metrics.loss = faults.maybe_nan(faults.TRAIN_NAN_LOSS_AT_STEP, progress.step + 1, metrics.loss)
-                update_loss = update_loss + metrics.loss.detach().float()
-                if accelerator.sync_gradients:  # the update's last micro-batch: checked before any weight moves
-                    _check_update_loss(accelerator, update_loss, progress.step + 1, out, cfg, bar)
-                    update_loss = torch.zeros((), device=accelerator.device)
-                accelerator.backward(metrics.loss)  # DeepSpeed steps its optimizer inside backward
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)  # DeepSpeed: its own
-                for optimizer in optimizers:
-                    optimizer.step()
-                if accelerator.sync_gradients:  # once per optimizer update (see make_accelerator)
-                    for scheduler in schedulers:
-                        scheduler.step()
-                for optimizer in optimizers:
-                    optimizer.zero_grad()
-            window.add(metrics, batch["attention_mask"].sum())
-            if not accelerator.sync_gradients:
-                continue
-            progress.step += 1
-            bar.update(1)
-            if progress.step % cfg.log_every == 0 or progress.step == total_steps:
-                stats = window.reduce(accelerator)  # tokens: all processes, since the last log line
-                tokens += stats.pop("tokens")
-                elapsed = time.perf_counter() - t0
-                stats.update(step=progress.step, lr=schedulers[-1].get_last_lr()[0], tokens_per_s=tokens / elapsed)
-                if online is not None:  # which side waits: the trainer for states, or the producer on a full buffer
-                    if hasattr(online.source, "refresh"):
-                        online.source.refresh()
-                    stats["online"] = online.source.stats.line(elapsed)
-                history.append(stats)
-                scalars = {**stats, **{f"online/{k}": v for k, v in stats.get("online", {}).items()}}
-                accelerator.log({k: v for k, v in scalars.items() if isinstance(v, (int, float))}, step=progress.step)
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau']:.2f}",
-                                tok_s=f"{stats['tokens_per_s']:.0f}",
-                                **({"online": stats["online"]["bound"]} if online is not None else {}))
-            if progress.step % cfg.save_every == 0:
-                save_checkpoint(accelerator, model, out, progress.step // cfg.save_every, cfg.keep_last)
-            faults.maybe_die(faults.TRAIN_AFTER_STEPS, progress.step)  # tests: a kill between checkpoints
-            if progress.step >= total_steps:
-                break
-        else:
-            progress.epoch += 1
-            progress.micro_in_epoch = 0
-    bar.close()
-    return history, tokens
+@dataclasses.dataclass
+class Training:
+    """One training run's state, set up by `_train` (the target, the draft and its wrapped model, the
+    optimizers and their schedules, the data, where the loop stands, this rank's online source)
+    and run by `loop`."""
+
+    cfg: TrainConfig
+    accelerator: Accelerator
+    algo: ModuleType  # the algorithm's module (trainer/drafts/registry.py get)
+    target: Target
+    draft: torch.nn.Module
+    model: torch.nn.Module  # TrainStep(draft), as accelerate prepared it
+    optimizers: list
+    schedulers: list
+    loader: DataLoader
+    progress: Progress
+    total_steps: int
+    out: Path
+    online: object | None  # trainer/online/run.py open_online's handle, or None
+    positions: int  # the draft positions a step trains and measures
+
+    def loop(self) -> tuple[list[dict], float]:
+        """The training loop, from where `progress` stands: (the history logged, the tokens trained on)."""
+        cfg, accelerator, algo, target, draft, model = (self.cfg, self.accelerator, self.algo, self.target,
+                                                        self.draft, self.model)
+        optimizers, schedulers, loader, progress = self.optimizers, self.schedulers, self.loader, self.progress
+        total_steps, out, online = self.total_steps, self.out, self.online
+        window = _Window(self.positions, accelerator.device)
+        history = []
+        bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step",
+                   disable=not accelerator.is_local_main_process)
+        t0, tokens = time.perf_counter(), 0
+        update_loss = torch.zeros((), device=accelerator.device)  # this update's micro-batch losses, summed
+        while progress.step < total_steps:
+            if online is not None:  # the epoch's plan: the samples this rank takes, from where a resumed run stands
+                plan, start = epoch_plan(loader, progress.epoch, progress.micro_in_epoch)
+                online.source.begin(plan, start)
+            elif hasattr(loader, "set_epoch"):
+                loader.set_epoch(progress.epoch)
+            epoch_loader = accelerator.skip_first_batches(loader, progress.micro_in_epoch) if progress.micro_in_epoch \
+                else loader
+            for batch in epoch_loader:
+                progress.micro_in_epoch += 1
+                batch = dequantize_states(batch)  # float8 states, on the device
+                with accelerator.accumulate(model):
+                    labels = algo.target_labels(target, batch, draft)  # no grad
+                    with accelerator.autocast():
+                        metrics = model(batch, labels)
+                    metrics.loss = faults.maybe_nan(faults.TRAIN_NAN_LOSS_AT_STEP, progress.step + 1, metrics.loss)
+                    update_loss = update_loss + metrics.loss.detach().float()
+                    if accelerator.sync_gradients:  # the update's last micro-batch: checked before any weight moves
+                        _check_update_loss(accelerator, update_loss, progress.step + 1, out, cfg, bar)
+                        update_loss = torch.zeros((), device=accelerator.device)
+                    accelerator.backward(metrics.loss)  # DeepSpeed steps its optimizer inside backward
+                    if accelerator.sync_gradients and cfg.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)  # DeepSpeed: its own
+                    for optimizer in optimizers:
+                        optimizer.step()
+                    if accelerator.sync_gradients:  # once per optimizer update (see make_accelerator)
+                        for scheduler in schedulers:
+                            scheduler.step()
+                    for optimizer in optimizers:
+                        optimizer.zero_grad()
+                window.add(metrics, batch["attention_mask"].sum())
+                if not accelerator.sync_gradients:
+                    continue
+                progress.step += 1
+                bar.update(1)
+                if progress.step % cfg.log_every == 0 or progress.step == total_steps:
+                    stats = window.reduce(accelerator)  # tokens: all processes, since the last log line
+                    tokens += stats.pop("tokens")
+                    elapsed = time.perf_counter() - t0
+                    stats.update(step=progress.step, lr=schedulers[-1].get_last_lr()[0], tokens_per_s=tokens / elapsed)
+                    if online is not None:  # which side waits: the trainer for states, or the producer on a full buffer
+                        if hasattr(online.source, "refresh"):
+                            online.source.refresh()
+                        stats["online"] = online.source.stats.line(elapsed)
+                    history.append(stats)
+                    scalars = {**stats, **{f"online/{k}": v for k, v in stats.get("online", {}).items()}}
+                    accelerator.log({k: v for k, v in scalars.items() if isinstance(v, (int, float))},
+                                    step=progress.step)
+                    bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau']:.2f}",
+                                    tok_s=f"{stats['tokens_per_s']:.0f}",
+                                    **({"online": stats["online"]["bound"]} if online is not None else {}))
+                if progress.step % cfg.save_every == 0:
+                    save_checkpoint(accelerator, model, out, progress.step // cfg.save_every, cfg.keep_last)
+                faults.maybe_die(faults.TRAIN_AFTER_STEPS, progress.step)  # tests: a kill between checkpoints
+                if progress.step >= total_steps:
+                    break
+            else:
+                progress.epoch += 1
+                progress.micro_in_epoch = 0
+        bar.close()
+        return history, tokens
 
 
 def bytes_written(draft, saves: int, keep_last: int) -> int:
