@@ -131,7 +131,7 @@ def test_no_recipe_file_shadows_a_package():
 # may import (docs/design.md, "The parts and the arrows"), besides the standard library and each other.
 RUNNER_THIRD_PARTY = {"vllm", "torch", "safetensors", "ray"}
 RUNNER_MAY_IMPORT = {"trainer.data.shards": "the shard writer (capture, producer)",
-                     "trainer.online.wire": "the online wire format (producer)"}
+                     "trainer.data.wire": "the online wire format (producer)"}
 
 
 def test_the_runners_import_only_what_vllms_environment_has():

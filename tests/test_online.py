@@ -23,10 +23,10 @@ from recipes import capture, export_draft, train
 from tests.conftest import REPO
 from trainer import faults
 from trainer.config import CaptureConfig, ExportConfig, TrainConfig, load_config
+from trainer.data.wire import encode
 from trainer.errors import DraftsmithError
 from trainer.online.channel import CLOSED, join_cluster, open_channel
 from trainer.online.sources import ChannelSource, Watch
-from trainer.online.wire import encode
 from trainer.vllm.online import served_dtype, settings_for
 
 TINY = REPO / "recipes" / "configs" / "tiny"

@@ -1,1 +1,2 @@
-"""Chat formatting and loss masks, the capture shard format, draft vocabularies."""
+"""Chat formatting and loss masks, the capture shard format and the online wire format beside it, draft
+vocabularies."""

@@ -25,9 +25,9 @@ import ray
 import torch
 
 from trainer.capture import sample_states, token_budget_batches
+from trainer.data.wire import encode
 from trainer.errors import DraftsmithError
 from trainer.online.channel import NAMESPACE, first_line
-from trainer.online.wire import encode
 from trainer.target import load_target
 
 # tests: a producer that hands no rank the samples at this position of their first epoch's plan or

@@ -31,10 +31,10 @@ from torch.utils.data import Dataset
 
 from trainer.capture import sample_states, token_budget_batches
 from trainer.data.collate import PreparedSamples
+from trainer.data.wire import decode
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_save_safetensors
 from trainer.online.channel import CLOSED
-from trainer.online.wire import decode
 
 
 def epoch_plan(loader, epoch: int, skip_batches: int) -> tuple[list[int], int]:

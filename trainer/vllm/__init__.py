@@ -12,7 +12,7 @@ virtual environment (scripts/setup_vllm.sh, or DRAFTSMITH_VLLM_PYTHON).
     runners/      the scripts vLLM's Python runs by path: they import only vllm, torch,
                   safetensors and the standard library, and of draftsmith only the two modules
                   that define a wire format (trainer/data/shards.py, the shard writer, for
-                  capture and the producer; trainer/online/wire.py and Ray for the producer)
+                  capture and the producer; trainer/data/wire.py and Ray for the producer)
 
 Everything here talks to vLLM through a runner process, never by importing vllm: draftsmith's
 own environment has no vLLM, and a runner's crash or hang is a line naming its log.

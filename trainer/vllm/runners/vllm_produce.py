@@ -19,7 +19,7 @@ group when it gets SIGTERM, which on Linux the kernel sends it when the trainer 
 goes (PR_SET_PDEATHSIG, asked for here, first thing): nothing it started outlives the trainer.
 settings.json: the StatesEngine settings (draftsmith_states.py) plus "ranks". Imports vllm, torch, safetensors,
 ray, the standard library and draftsmith's shard writer and wire format (trainer/data/shards.py,
-trainer/online/wire.py), found beside this folder.
+trainer/data/wire.py), found beside this folder.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> None:
     import vllm
     from draftsmith_states import StatesEngine
 
-    from trainer.online.wire import encode
+    from trainer.data.wire import encode
 
     ray.init(address=args.address, namespace="draftsmith", log_to_driver=False)
     signal.signal(signal.SIGTERM, end_group)  # Ray's driver sets its own
