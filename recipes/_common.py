@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from export import formats
 from trainer.config import NGRAM_DRAFT_TOKENS, load_config
+from trainer.config.fields import help_of
 from trainer.data.chat import resolve_template, template_file
 from trainer.data.evalsets import chat_prompt_ids
 from trainer.errors import DraftsmithError
@@ -49,29 +50,32 @@ def _default(schema, key: str):
     return None
 
 
-def parse_flags(schema, argv: list[str], description: str, flags: dict[str, tuple[str, str]],
-                switches: dict[str, tuple[str, str]] | None = None, prog: str | None = None,
-                repeated: dict[str, tuple[str, str, str]] | None = None):
-    """`--config FILE`, `--flag VALUE` for each of `flags` (flag -> (config key, help)), boolean
-    `switches` (flag -> ("key=value" it sets, help)), `repeated` flags (flag -> (key of a dict
-    or list field, metavar, help): `--flag K=V` sets key.K for a dict, `--flag X` appends X to
-    a list), then `key=value` overrides, which win."""
+def parse_flags(schema, argv: list[str], description: str, flags: tuple[str, ...],
+                switches: dict[str, str] | None = None, prog: str | None = None,
+                repeated: dict[str, tuple[str, str]] | None = None):
+    """`--config FILE`, then `--key-name VALUE` for each config key in `flags`, boolean `switches`
+    (flag -> the "key=value" it sets), `repeated` flags (flag -> (key of a dict or list field,
+    metavar): `--flag K=V` sets key.K for a dict, `--flag X` appends X to a list), then `key=value`
+    overrides, which win. Every flag's help is its setting's own (trainer/config/fields.py)."""
     switches, repeated = switches or {}, repeated or {}
     parser = _parser(description, prog)
-    for flag, (key, metavar, text) in repeated.items():
-        parser.add_argument(flag, metavar=metavar, action="append", help=f"{text} (config key {key})")
-    for flag, (key, text) in flags.items():
+    for flag, (key, metavar) in repeated.items():
+        parser.add_argument(flag, metavar=metavar, action="append",
+                            help=f"{help_of(schema, key)} (config key {key}; repeatable)")
+    for key in flags:
         default = _default(schema, key)
         shown = "required" if default == MISSING else f"default {default}"
-        parser.add_argument(flag, metavar=key.upper(), help=f"{text} (config key {key}; {shown})")
-    for flag, (_kv, text) in switches.items():
-        parser.add_argument(flag, action="store_true", help=text)
+        parser.add_argument("--" + key.replace("_", "-"), metavar=key.upper(),
+                            help=f"{help_of(schema, key)} (config key {key}; {shown})")
+    for flag, kv in switches.items():
+        key = kv.partition("=")[0]
+        parser.add_argument(flag, action="store_true", help=f"sets {kv} ({key}: {help_of(schema, key)})")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     args = vars(parser.parse_args(argv))
     dest = lambda flag: flag[2:].replace("-", "_")  # noqa: E731
-    overrides = [f"{key}={args[dest(flag)]}" for flag, (key, _) in flags.items() if args[dest(flag)] is not None]
-    overrides += [kv for flag, (kv, _) in switches.items() if args[dest(flag)]]
-    for flag, (key, _, _) in repeated.items():
+    overrides = [f"{key}={args[key]}" for key in flags if args[key] is not None]
+    overrides += [kv for flag, kv in switches.items() if args[dest(flag)]]
+    for flag, (key, _) in repeated.items():
         values = args[dest(flag)] or []
         if isinstance(_default(schema, key), dict):
             bad = [v for v in values if "=" not in v or v.startswith("=")]

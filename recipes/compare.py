@@ -19,7 +19,7 @@ What is measured, and how:
   its outputs against its plain decoding's (lossless) at every N. The prediction printed beside
   (its error says whether acceptance and step cost explain served speed): the in-tree steps of
   each prompt replayed through vLLM's measured step times at k requests in flight and its cost
-  per prompt token (`simulate`).
+  per prompt token (trainer/serving.py `simulate`).
 - --no-vllm: costs timed in-tree (the target's forward over b rows of width N + 1, each draft's
   round), expected tokens/s (Leviathan et al., 2023, §3.4) b x tokens per step / (share x (V(b, N+1)
   + D(b, N)) + (1 - share) x V(b, 1)); a prediction only, and a rough one (README).
@@ -71,21 +71,9 @@ from trainer.target import load_target, resolve_target
 from trainer.vllm import checks
 from trainer.vllm.env import require_vllm_python
 
-FLAGS = {"--dataset": ("dataset", "gsm8k, math500, humaneval, mtbench, sharegpt or jsonl:PATH"),
-         "--num-prompts": ("num_prompts", "prompts decoded per candidate and N"),
-         "--max-new-tokens": ("max_new_tokens", "tokens generated per prompt"),
-         "--concurrency": ("concurrency", "requests in flight to recommend for, e.g. 1,4,16"),
-         "--context-buckets": ("context_buckets", "also per context length, e.g. 1024,2048,4096,8192: τ, tokens/s and "
-                                                  "where serving without speculation wins, per candidate and load"),
-         "--output-dir": ("output_dir", "where report.json, compare.png and serve-c*.json go"),
-         "--chat-template": ("chat_template", "a Jinja chat template file for the prompts (default: the one the "
-                                              "first draft's data was prepared with, else the target's)")}
-SWITCHES = {"--no-vllm": ("vllm=false", "no vLLM here: predict from in-tree costs alone (nothing served)"),
-            "--no-ngram": ("ngram=false", "leave vLLM's n-gram out of the candidates"),
-            "--write-policy": ("write_policy=true", "write each export's measured serving policy into it "
-                                                   "(serving/policy.json: upload's card, `draftsmith serve-line`)")}
-REPEATED = {"--drafts": ("drafts", "EXPORT", "export folders (draftsmith export), all for one target: "
-                                             "--drafts A B or --drafts A --drafts B")}
+FLAGS = ("dataset", "num_prompts", "max_new_tokens", "concurrency", "context_buckets", "output_dir", "chat_template")
+SWITCHES = {"--no-vllm": "vllm=false", "--no-ngram": "ngram=false", "--write-policy": "write_policy=true"}
+REPEATED = {"--drafts": ("drafts", "EXPORT")}
 
 
 def run(cfg: CompareConfig, argv=None) -> dict:

@@ -44,30 +44,10 @@ from trainer.serving import CostModel, best_num_draft_tokens, speculation_cutoff
 from trainer.speculative import DecodeStats, NGramDraft, Sampling, measure
 from trainer.target import load_target, resolve_target
 
-FLAGS = {"--target": ("target", "the target: an embedded alias, an HF model folder or a .gguf file"),
-         "--draft": ("draft", "'ngram', a trained draft folder (recipes/train.py) or an export folder"),
-         "--dataset": ("dataset", "gsm8k, math500, humaneval, mtbench, sharegpt or jsonl:PATH"),
-         "--num-draft-tokens": ("num_draft_tokens", "draft tokens per round (vLLM's num_speculative_tokens); "
-                                                    "default: an export's recorded N, else the positions the "
-                                                    "draft was trained on"),
-         "--temperature": ("temperature", "sampling temperature; 0 = greedy"),
-         "--top-p": ("top_p", "nucleus sampling mass"), "--top-k": ("top_k", "top-k sampling; 0 = off"),
-         "--num-prompts": ("num_prompts", "prompts decoded"),
-         "--max-new-tokens": ("max_new_tokens", "tokens generated per prompt"),
-         "--batch-size": ("batch_size", "prompts decoded together"),
-         "--context-buckets": ("context_buckets", "τ per context length: e.g. 1024,2048,4096,8192, each bucket's "
-                                                  "--num-prompts prompts of L - max_new_tokens tokens (documents "
-                                                  "and a question from ShareGPT) instead of --dataset's"),
-         "--output-dir": ("output_dir", "where report.json and acceptance.png go (checked before decoding)"),
-         "--draft-sampling": ("draft_sampling", "greedy (vLLM's default: the draft's argmax) or probabilistic"),
-         "--chat-template": ("chat_template", "a Jinja chat template file for the prompts (default: the one the "
-                                              "draft's data was prepared with, else the target's)")}
-SWITCHES = {"--no-chat-template": ("no_chat_template=true", "the prompt text as is (completion prompts for a base "
-                                                             "model)")}
-REPEATED = {"--draft-option": ("draft_options", "KEY=VALUE", "an option of the draft's proposer (e.g. DSpark's "
-                                                              "draft_topk=64); repeatable"),
-            "--ablation": ("ablations", "NAME", "also decode a variant the algorithm declares (e.g. DSpark's "
-                                                "without_markov) and report it; repeatable")}
+FLAGS = ("target", "draft", "dataset", "num_draft_tokens", "temperature", "top_p", "top_k", "num_prompts",
+         "max_new_tokens", "batch_size", "context_buckets", "output_dir", "draft_sampling", "chat_template")
+SWITCHES = {"--no-chat-template": "no_chat_template=true"}
+REPEATED = {"--draft-option": ("draft_options", "KEY=VALUE"), "--ablation": ("ablations", "NAME")}
 
 
 def make_draft(cfg: EvalConfig, target, **overrides):

@@ -39,28 +39,11 @@ from trainer.speculative import measure
 from trainer.target import load_target, resolve_target
 from trainer.vllm.servable import PLUGIN_INSTALL, target_servability
 
-FLAGS = {"--draft": ("draft", "the trained draft folder (recipes/train.py output_dir)"),
-         "--output-dir": ("output_dir", "the export folder to write (refused if it exists, unless --overwrite)"),
-         "--target": ("target", "the target the draft was trained for: alias, HF folder or .gguf (default: the one "
-                                "the draft records)"),
-         "--chat-template": ("chat_template", "the FP8 gate prompts' Jinja chat template file (default: the draft's "
-                                              "data template, else the target's)"),
-         "--format": ("format", "vllm (vLLM-native) or speculators (EAGLE-3 only)"),
-         "--dtype": ("dtype", "dtype of the unquantized tensors: bfloat16, float16 or float32"),
-         "--quantize": ("quantize", "none or fp8 (AMD Quark)"),
-         "--fp8-scheme": ("fp8_scheme", "Quark FP8 scheme: ptpc_fp8 (per-channel weights, per-token activations)"),
-         "--num-draft-tokens": ("num_draft_tokens", "N written into the serve command (and the FP8 gate); "
-                                                    "default: the positions the draft was trained on"),
-         "--gate-dataset": ("gate_dataset", "held-out prompts of the FP8 acceptance gate"),
-         "--gate-prompts": ("gate_prompts", "prompts the FP8 gate decodes"),
-         "--max-tau-drop": ("max_tau_drop", "the FP8 gate fails when τ drops more than this fraction")}
-REPEATED = {"--draft-option": ("draft_options", "KEY=VALUE", "a proposer option the export serves with, written "
-                                                              "where vLLM reads it (DSpark: draft_topk=K); repeatable")}
-SWITCHES = {"--overwrite": ("overwrite=true", "replace an existing output folder"),
-            "--quantize-fc": ("quantize_fc=true", "FP8 fc too (AMD's shipped drafts keep it BF16)"),
-            "--no-gate": ("gate=false", "skip the FP8 acceptance gate"),
-            "--keep-qkv-bf16": ("quantize_qkv=false", "keep every draft layer's q/k/v in BF16 under FP8"),
-            "--no-chat-template": ("no_chat_template=true", "FP8 gate prompts as plain text (base models)")}
+FLAGS = ("draft", "output_dir", "target", "chat_template", "format", "dtype", "quantize", "fp8_scheme",
+         "num_draft_tokens", "gate_dataset", "gate_prompts", "max_tau_drop")
+REPEATED = {"--draft-option": ("draft_options", "KEY=VALUE")}
+SWITCHES = {"--overwrite": "overwrite=true", "--quantize-fc": "quantize_fc=true", "--no-gate": "gate=false",
+            "--keep-qkv-bf16": "quantize_qkv=false", "--no-chat-template": "no_chat_template=true"}
 
 
 def run(cfg: ExportConfig, argv=None) -> dict:

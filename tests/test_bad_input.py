@@ -323,12 +323,16 @@ def test_every_subcommand_has_help(command, capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0
     assert f"usage: draftsmith {command}" in out
-    if command in ("eval", "export"):  # every flag is described
+    if command in ("eval", "export"):  # every flag is described, by its setting's own help
         from recipes.eval import FLAGS as EVAL
         from recipes.export_draft import FLAGS as EXPORT
+        from trainer.config import EvalConfig, ExportConfig
+        from trainer.config.fields import help_of
 
-        for flag, (_key, text) in (EVAL if command == "eval" else EXPORT).items():
-            assert flag in out and text.split()[0] in out, flag
+        flat = " ".join(out.split())  # argparse wraps the help text
+        for key in EVAL if command == "eval" else EXPORT:
+            text = help_of(EvalConfig if command == "eval" else ExportConfig, key)
+            assert text and "--" + key.replace("_", "-") in out and " ".join(text.split()[:6]) in flat, key
 
 
 # --- 4. resume that survives a kill at any moment -----------------------------------------

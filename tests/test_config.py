@@ -57,23 +57,25 @@ def test_missing_required_key_is_named():
 
 
 def test_cross_field_check():
-    with pytest.raises(ConfigError, match="store_dtype='fp8'"):
+    with pytest.raises(ConfigError, match="store_dtype='fp8'; use one of float32, bfloat16, float16, float8_e4m3 "
+                       r"\(the dtype hidden states are stored in\)$"):
         load_config(CaptureConfig, None, ["data=a", "output_dir=b", "store_dtype=fp8"])
     assert load_config(CaptureConfig, None, ["data=a", "output_dir=b", "store_dtype=float8_e4m3"]).store_dtype \
         == "float8_e4m3"
     with pytest.raises(ConfigError, match="engine=vllm settings"):
         load_config(CaptureConfig, None, ["data=a", "output_dir=b", "tensor_parallel_size=2"])
-    with pytest.raises(ConfigError, match="regenerate.engine 'sglang' is not one of hf, vllm"):
+    with pytest.raises(ConfigError, match="regenerate.engine='sglang'; use one of hf, vllm"):
         load_config(PrepareConfig, None, ["output_dir=a", "regenerate.engine=sglang"])
     with pytest.raises(ConfigError, match="leaves no room for a prompt"):
         load_config(PrepareConfig, None, ["output_dir=a", "regenerate.max_model_len=256"])  # = max_new_tokens
-    with pytest.raises(ConfigError, match="regenerate.truncated 'cut' is not keep or drop"):
+    with pytest.raises(ConfigError, match="regenerate.truncated='cut'; use one of keep, drop"):
         load_config(PrepareConfig, None, ["output_dir=a", "regenerate.truncated=cut"])
 
 
 @pytest.mark.parametrize("main, argv, expect", [
     (prepare.main, ["output_dir=x", "max_lenght=5"],
-     "error: override: unknown key 'max_lenght' for PrepareConfig; did you mean 'max_length'?"),
+     "error: override: unknown key 'max_lenght' for PrepareConfig; did you mean 'max_length' (tokens per "
+     "conversation at most)?"),
     (prepare.main, ["output_dir=x", "num_proc=two"], "error: override: key 'num_proc'"),
     (capture.main, ["--config", "no/such.yaml"], "error: config file 'no/such.yaml' not found"),
     (capture.main, [], "error: required key(s) data, output_dir not set"),
@@ -91,7 +93,8 @@ def test_console_script_reports_config_errors(tmp_path):
     r = subprocess.run([str(exe), "capture", "data=a", f"output_dir={tmp_path}/o", "store_dtyp=bf16"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    want = "error: override: unknown key 'store_dtyp' for CaptureConfig; did you mean 'store_dtype'?"
+    want = ("error: override: unknown key 'store_dtyp' for CaptureConfig; did you mean 'store_dtype' (the dtype "
+            "hidden states are stored in)?")  # the suggestion quotes the setting's own help
     assert r.stderr.strip() == want
     r = subprocess.run([str(exe), "captur"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "did you mean 'capture'" in r.stderr

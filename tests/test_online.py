@@ -294,13 +294,15 @@ def test_a_vllm_producer_runs_the_target_in_its_own_dtype(tmp_path):
     (["online.engine=hf", "online.gpu_memory_utilization=0.5"], "are online.engine=vllm settings"),
     (["online.engine=hf", "online.tensor_parallel_size=2"], "are online.engine=vllm settings"),
     (["online.engine=vllm", "online.producer_resources={producer_node: 1}"], "vLLM producers run on the first"),
-    (["online.engine=hf", "online.producer_resources={producer_node: 0}"], "producer_node must be > 0"),
+    (["online.engine=hf", "online.producer_resources={producer_node: 0}"],
+     "online.producer_resources={producer_node: 0} (producer_node: 0); use > 0, or null (hf: the Ray"),
     (["online.engine=hf", "online.producer_resources={nowhere: 1}"],  # a local cluster has none: not a hang
      "online.producer_resources={\"nowhere\": 1}: the Ray cluster at "),
-    (["online.engine=vllm", "online.gpu_memory_utilization=1.5"], "online.gpu_memory_utilization=1.5; use a fraction"),
+    (["online.engine=vllm", "online.gpu_memory_utilization=1.5"],
+     "online.gpu_memory_utilization=1.5; use in (0, 1], or null (vllm"),
     (["online.engine=vllm", "online.buffer_tokens=0"], "online.buffer_tokens=0; use >= 1"),  # the key given, alone
     (["online.engine=vllm", "online.concurrency=0"], "online.concurrency=0; use >= 1"),
-    (["online.engine=ray"], "use hf or vllm"),
+    (["online.engine=ray"], "online.engine='ray'; use one of hf, vllm, or null"),
     (["online.engine=hf", "online.target_dtype=bfloat16"], "are online.engine=vllm settings"),
     (["online.engine=vllm", "online.start_timeout_s=0"], "online.start_timeout_s=0; use > 0"),
 ])

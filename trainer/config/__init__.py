@@ -1,7 +1,8 @@
 """Typed run configs: one dataclass schema per stage (a module each beside this one), loaded by
 `loader.load_config` (dataclass defaults <- YAML file <- `key=value` overrides; unknown keys
-are one line with a suggestion, cross-field checks in each schema's `validate()`). Every
-default lives in its schema, once.
+are one line with a suggestion; each setting's default, help and bounds declared with it,
+fields.py `setting`; cross-field checks in each schema's `validate()`). Every setting lives in its
+schema, once: flags, --help and docs/config.md are built from it.
 """
 
 from trainer.config.capture import CaptureConfig
@@ -14,10 +15,14 @@ from trainer.config.prepare import PrepareConfig, RegenerateConfig
 from trainer.config.train import TrainConfig
 from trainer.drafts.registry import DRAFTS
 
+# `draftsmith <stage>` -> its schema: the settings reference (docs/config.md) in this order.
+STAGE_SCHEMAS = {"prepare": PrepareConfig, "capture": CaptureConfig, "train": TrainConfig, "export": ExportConfig,
+                 "eval": EvalConfig, "compare": CompareConfig, "demo": DemoConfig}
 # YAML file stem -> schema (recipes/configs/*/<stem>.yaml); a draft's training config is named after it.
 SCHEMAS = {"export": ExportConfig, "prepare": PrepareConfig, "eval": EvalConfig, "capture": CaptureConfig,
            "demo": DemoConfig, "compare": CompareConfig, **{name: TrainConfig for name in DRAFTS}}
 
-__all__ = ["SCHEMAS", "CaptureConfig", "CompareConfig", "ConfigError", "DemoConfig", "EvalConfig", "ExportConfig",
+__all__ = ["SCHEMAS", "STAGE_SCHEMAS", "CaptureConfig", "CompareConfig", "ConfigError", "DemoConfig", "EvalConfig",
+           "ExportConfig",
            "NGRAM_DRAFT_TOKENS", "PrepareConfig", "RegenerateConfig", "TrainConfig", "load_config", "load_section",
            "to_yaml"]

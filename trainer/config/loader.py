@@ -3,8 +3,9 @@
 OmegaConf structured configs do the merging and type checks; this module turns their
 exceptions into one line that names the key and says how to fix it: unknown keys get a "did
 you mean" suggestion, wrong types name the expected type, missing required fields are listed.
-Cross-field checks live in each schema's `validate()` method (the stage modules beside this
-one) and run at load time.
+Each setting's bounds are declared with it (fields.py `setting`) and checked at load time,
+before the cross-field checks of each schema's `validate()` method (the stage modules beside
+this one).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from trainer.config.fields import brief, check_settings, help_of
 from trainer.errors import ConfigError
 
 T = TypeVar("T")
@@ -47,7 +49,9 @@ def _check_keys(schema: type, data: Any, where: str, prefix: str = "") -> None:
         full = f"{prefix}{key}"
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(fields))}"
+            said = brief(help_of(schema, close[0])) if close else ""
+            hint = (f"; did you mean '{prefix}{close[0]}'" + (f" ({said})?" if said else "?") if close
+                    else f"; valid keys: {', '.join(sorted(fields))}")
             raise ConfigError(f"{where}: unknown key '{full}' for {schema.__name__}{hint}")
         sub = _nested_schema(fields[key])
         if sub is not None:
@@ -182,6 +186,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
     except OmegaConfBaseException as err:
         raise ConfigError(f"{getattr(err, 'full_key', '?')}: {getattr(err, 'msg', err)}") from None
     check_finite(obj)
+    check_settings(obj)
     expand_home(obj)
     validate = getattr(obj, "validate", None)
     if callable(validate):
@@ -203,6 +208,7 @@ def load_section(schema: type[T], data: Any, where: str) -> T:
     except OmegaConfBaseException as err:
         raise ConfigError(f"{where}.{getattr(err, 'full_key', '?')}: {getattr(err, 'msg', err)}") from None
     check_finite(obj, f"{where}.")
+    check_settings(obj, f"{where}.")
     expand_home(obj)
     validate = getattr(obj, "validate", None)
     if callable(validate):
