@@ -17,10 +17,10 @@ from tqdm.auto import tqdm
 
 from export import formats
 from trainer.config import NGRAM_DRAFT_TOKENS, load_config
-from trainer.config.fields import help_of
 from trainer.data.chat import resolve_template, template_file
 from trainer.data.evalsets import chat_prompt_ids
 from trainer.errors import DraftsmithError
+from trainer.settings import help_of
 from trainer.target import DEFAULT_TARGET
 
 CONFIG_HELP = "a YAML under recipes/configs/ (optional: the schema's defaults and key=value overrides work too)"
@@ -56,7 +56,7 @@ def parse_flags(schema, argv: list[str], description: str, flags: tuple[str, ...
     """`--config FILE`, then `--key-name VALUE` for each config key in `flags`, boolean `switches`
     (flag -> the "key=value" it sets), `repeated` flags (flag -> (key of a dict or list field,
     metavar): `--flag K=V` sets key.K for a dict, `--flag X` appends X to a list), then `key=value`
-    overrides, which win. Every flag's help is its setting's own (trainer/config/fields.py)."""
+    overrides, which win. Every flag's help is its setting's own (trainer/settings.py)."""
     switches, repeated = switches or {}, repeated or {}
     parser = _parser(description, prog)
     for flag, (key, metavar) in repeated.items():

@@ -1,4 +1,4 @@
-"""Write docs/config.md, the settings reference, from the stage schemas (trainer/config/fields.py
+"""Write docs/config.md, the settings reference, from the stage schemas (trainer/settings.py
 `reference_page`); tests/test_docs.py fails when the page is stale.
 
     .venv/bin/python scripts/config_reference.py            # rewrite docs/config.md
@@ -11,9 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainer.config import STAGE_SCHEMAS
-from trainer.config.fields import reference_page
+from trainer.config import REFERENCE
 from trainer.io import atomic_write_text
+from trainer.settings import reference_page
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -22,7 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 when docs/config.md is stale; write nothing")
     args = ap.parse_args()
-    page = reference_page(STAGE_SCHEMAS) + "\n"
+    page = reference_page(REFERENCE) + "\n"
     if args.check:
         stale = not PAGE.is_file() or PAGE.read_text() != page
         print(f"{PAGE}: {'stale: run scripts/config_reference.py' if stale else 'up to date'}")

@@ -327,7 +327,7 @@ def test_every_subcommand_has_help(command, capsys):
         from recipes.eval import FLAGS as EVAL
         from recipes.export_draft import FLAGS as EXPORT
         from trainer.config import EvalConfig, ExportConfig
-        from trainer.config.fields import help_of
+        from trainer.settings import help_of
 
         flat = " ".join(out.split())  # argparse wraps the help text
         for key in EVAL if command == "eval" else EXPORT:

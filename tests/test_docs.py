@@ -401,20 +401,20 @@ def test_the_checker_refuses_what_does_not_run(text, tmp_path, monkeypatch):
 def test_the_settings_reference_is_current():
     """docs/config.md is generated from the schemas (each setting's help and bounds declared with it):
     a setting added, renamed or re-described without rewriting the page fails here."""
-    from trainer.config import STAGE_SCHEMAS
-    from trainer.config.fields import reference_page
+    from trainer.config import REFERENCE
+    from trainer.settings import reference_page
 
     page = (REPO / "docs" / "config.md").read_text()
-    assert page == reference_page(STAGE_SCHEMAS) + "\n", "stale: run .venv/bin/python scripts/config_reference.py"
+    assert page == reference_page(REFERENCE) + "\n", "stale: run .venv/bin/python scripts/config_reference.py"
 
 
 def test_every_setting_has_its_help():
-    """Every key of every stage has its help where it is declared (what --help, the suggestions and
-    the reference print); a nested section's keys too."""
-    from trainer.config import STAGE_SCHEMAS
-    from trainer.config.fields import reference
+    """Every key of every stage and of every algorithm's draft section has its help where it is
+    declared (what --help, the suggestions and the reference print); a nested section's keys too."""
+    from trainer.config import REFERENCE
+    from trainer.settings import reference
 
-    bare = [f"{stage}: {row['key']}" for stage, schema in STAGE_SCHEMAS.items() for row in reference(schema)
+    bare = [f"{stage}: {row['key']}" for stage, schema in REFERENCE.items() for row in reference(schema)
             if not row["help"].strip()]
     assert not bare, bare
 

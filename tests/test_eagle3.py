@@ -218,8 +218,8 @@ def test_chunked_attention_and_loss_equal_one_pass():
 
 
 def test_negative_chunks_are_refused():
+    from trainer.config import load_section
+
     for name in ("loss_chunk_rows", "attention_chunk"):
-        cfg = tiny_draft().config
-        setattr(cfg, name, -1)
-        with pytest.raises(ConfigError, match=f"draft.{name} must be >= 0"):
-            cfg.validate()
+        with pytest.raises(ConfigError, match=f"draft.{name}=-1; use >= 0 "):
+            load_section(Eagle3Config, {name: -1}, "draft")

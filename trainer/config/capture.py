@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config.fields import setting
 from trainer.data.shards import STORE_DTYPES
 from trainer.drafts.registry import get
 from trainer.drafts.shape import DEFAULT_DRAFT_VOCAB_SIZE
 from trainer.errors import ConfigError
 from trainer.layer_ids import check_layer_ids
+from trainer.settings import setting
 from trainer.target import DEFAULT_TARGET, TARGET_DTYPES
 
 

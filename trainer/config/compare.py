@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config.fields import setting
 from trainer.errors import ConfigError
+from trainer.settings import setting
 
 
 @dataclass

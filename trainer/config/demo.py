@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.config.capture import CaptureConfig
-from trainer.config.fields import setting
 from trainer.config.prepare import PrepareConfig
 from trainer.config.train import TrainConfig
 from trainer.drafts.registry import get
+from trainer.settings import setting
 from trainer.target import DEFAULT_TARGET
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config.fields import setting
 from trainer.errors import ConfigError
+from trainer.settings import setting
 from trainer.speculative import check_draft_sampling
 
 

@@ -3,7 +3,7 @@
 OmegaConf structured configs do the merging and type checks; this module turns their
 exceptions into one line that names the key and says how to fix it: unknown keys get a "did
 you mean" suggestion, wrong types name the expected type, missing required fields are listed.
-Each setting's bounds are declared with it (fields.py `setting`) and checked at load time,
+Each setting's bounds are declared with it (trainer/settings.py `setting`) and checked at load time,
 before the cross-field checks of each schema's `validate()` method (the stage modules beside
 this one).
 """
@@ -22,8 +22,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config.fields import brief, check_settings, help_of
 from trainer.errors import ConfigError
+from trainer.settings import brief, check_settings, help_of
 
 T = TypeVar("T")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config.fields import setting
 from trainer.errors import ConfigError
+from trainer.settings import setting
 from trainer.target import DEFAULT_TARGET, TARGET_DTYPES
 
 REGENERATE_ENGINES = ("hf", "vllm")

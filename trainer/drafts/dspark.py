@@ -39,6 +39,7 @@ from trainer import losses
 from trainer.drafts import dflash
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
+from trainer.settings import setting
 from trainer.speculative import Proposal
 
 MARKOV_HEAD_TYPES = ("vanilla",)  # the only head vLLM 0.32 builds (qwen3_dspark.py DSparkMarkovHead)
@@ -55,35 +56,30 @@ class DSparkConfig(dflash.DFlashConfig):
     """The DFlash fields (shape, layer ids, mask token, anchors) with DSpark's defaults, plus
     the Markov and confidence heads and the DeepSpec loss mix."""
 
-    block_size: int = 7  # K: [anchor, MASK x (K-1)], every slot predicts (DSpark's Qwen3-8B: 7)
-    gamma: float = 4.0  # slot k (0-based) weighs exp(-k/gamma) (DeepSpec)
-    labels: str = "data"  # CE against the data token (DeepSpec); "target": the target's greedy token
-    markov_rank: int = 256  # r
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True  # the head reads [norm(h_k); W1[x_{k-1}]]
-    # DeepSpec's loss: ce_weight * CE + tv_weight * |p_draft - p_target|_1 + confidence_weight *
-    # BCE(c_k, 1 - |.|_1 / 2). Its "TV" term is the full L1 norm (= 2 TV); 1 - TV is the
-    # probability that rejection sampling accepts a draw from p_draft.
-    ce_weight: float = 0.1
-    tv_weight: float = 0.9
-    confidence_weight: float = 1.0
-    # "deepspec": the mix above; or trainer/losses.py's objectives (the confidence head's BCE is added to any)
-    loss: str = "deepspec"
+    block_size: int = setting(7, "K: [anchor, MASK x (K-1)], every slot predicts (DSpark's Qwen3-8B: 7)", ge=2)
+    gamma: float = setting(4.0, "slot k (0-based) weighs exp(-k/gamma) (DeepSpec)", gt=0)
+    labels: str = setting("data", "what ce trains toward: data, the token in the data (DeepSpec); target, the "
+                                  "target's greedy token", choices=("target", "data"))
+    markov_rank: int = setting(256, "r, the Markov head's rank (a DSpark draft without one is a DFlash draft: use "
+                                    "algorithm=dflash)", ge=1)
+    markov_head_type: str = setting("vanilla", "the Markov head (vLLM builds only the vanilla head)",
+                                    choices=MARKOV_HEAD_TYPES)
+    enable_confidence_head: bool = setting(True, "a head predicting each slot's acceptance")
+    confidence_head_with_markov: bool = setting(True, "the confidence head reads [norm(h_k); W1[x_{k-1}]]")
+    ce_weight: float = setting(0.1, "DeepSpec's loss, ce_weight x CE + tv_weight x |p_draft - p_target|_1 + "
+                                    "confidence_weight x BCE(c_k, 1 - |.|_1 / 2): CE's weight", ge=0)
+    tv_weight: float = setting(0.9, "DeepSpec's L1 term's weight (its TV term is the full L1 norm, 2 TV)", ge=0)
+    confidence_weight: float = setting(1.0, "DeepSpec's confidence BCE's weight", ge=0)
+    loss: str = setting("deepspec", "the objective: deepspec, the mix above; or trainer/losses.py's objectives (the "
+                                    "confidence head's BCE is added to any)")
 
     own_objectives: ClassVar[tuple[str, ...]] = ("deepspec",)
 
     def validate(self) -> None:
         super().validate()
-        if self.markov_rank < 1:
-            raise ConfigError("draft.markov_rank must be >= 1 (a DSpark draft without a Markov head is a DFlash "
-                              "draft: use algorithm=dflash)")
-        if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise ConfigError(f"draft.markov_head_type '{self.markov_head_type}' is not one of "
-                              f"{', '.join(MARKOV_HEAD_TYPES)} (vLLM builds only the vanilla head)")
-        if min(self.ce_weight, self.tv_weight, self.confidence_weight) < 0 or self.ce_weight + self.tv_weight <= 0:
-            raise ConfigError("draft.ce_weight, tv_weight and confidence_weight must be >= 0, and ce_weight + "
-                              "tv_weight > 0")
+        if self.ce_weight + self.tv_weight <= 0:
+            raise ConfigError("draft.ce_weight + tv_weight must be > 0 (DeepSpec's loss needs a term that trains the "
+                              "draft's distribution)")
 
     @property
     def num_positions(self) -> int:

@@ -34,6 +34,7 @@ from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
 from trainer.drafts.shape import TargetShape, check_objective, to_draft_ids
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
+from trainer.settings import setting
 from trainer.speculative import DraftSampler, Proposal, positions_from_mask, trailing_holes
 
 # Draft keys of the block drafts that EAGLE-3 refuses, each with its one line (trainer/config/train.py).
@@ -68,38 +69,30 @@ class Eagle3Config(TargetShape):
     """The draft layer's shape (trainer/drafts/shape.py: null fields are the target's; a null
     draft_vocab_size is the capture's: EAGLE-3 always has its own head) and its objective."""
 
-    # vLLM's LlamaForCausalLMEagle3 option: apply hidden_norm before taking the residual.
-    # False = the EAGLE-3 reference (residual is the un-normed fused feature).
-    norm_before_residual: bool = False
-    # The LM head over the draft vocabulary: trained (the EAGLE-3 reference, from a random init)
-    # or frozen as a copy of the target's rows of those tokens (speculators does this).
-    train_lm_head: bool = True
-    # Objective: the training-time test (EAGLE-3 paper §3.2; reference ttt length 7, decay 0.8).
-    ttt_steps: int = 7  # K unrolled steps
-    step_decay: float = 0.8  # loss weight decay^k for step k
-    # Per position: trainer/losses.py's objectives, one ("tv") or weighted ("fkl:0.5,tv:0.5"); fkl: the
-    # reference's soft cross-entropy against the target's distribution; ce: against its greedy token.
-    loss: str = "fkl"
-    lk_eta: float = 3.0  # lk_hybrid's η: λ = exp(-η α)
-    # Long samples with bounded memory (issue 43), both recomputed in backward when they split, 0: one
-    # pass. loss_chunk_rows: supervised rows whose [rows, Vd] logits, log-probabilities and target
-    # distribution are alive at once (as DFlash's). attention_chunk: queries of the TTT attention
-    # (steps >= 1) scored at once: its [heads, T, T] scores grow with the square of the sample.
-    loss_chunk_rows: int = 1024
-    attention_chunk: int = 1024
+    norm_before_residual: bool = setting(False, "vLLM's LlamaForCausalLMEagle3 option: apply hidden_norm before "
+                                                "taking the residual; false: the EAGLE-3 reference (the residual is "
+                                                "the un-normed fused feature)")
+    train_lm_head: bool = setting(True, "the LM head over the draft vocabulary trained (the EAGLE-3 reference, from "
+                                        "a random init), or false: frozen as a copy of the target's rows of those "
+                                        "tokens (as speculators does)")
+    ttt_steps: int = setting(7, "K, the training-time test's unrolled steps (EAGLE-3 paper §3.2; the reference's 7)",
+                             ge=1)
+    step_decay: float = setting(0.8, "step k's loss weight is step_decay^k (the reference's 0.8)", gt=0, le=1)
+    loss: str = setting("fkl", "the objective per position: trainer/losses.py's, one (tv) or weighted "
+                               "(fkl:0.5,tv:0.5); fkl: the reference's soft cross-entropy against the target's "
+                               "distribution; ce: against its greedy token")
+    lk_eta: float = setting(3.0, "lk_hybrid's η: λ = exp(-η α)", gt=0)
+    loss_chunk_rows: int = setting(1024, "supervised rows whose [rows, Vd] logits, log-probabilities and target "
+                                         "distribution are alive at once, recomputed in backward when they split "
+                                         "(long samples in bounded memory); 0: one pass", ge=0)
+    attention_chunk: int = setting(1024, "queries of the training-time-test attention (steps >= 1) scored at once, "
+                                         "recomputed in backward when they split: its [heads, T, T] scores grow with "
+                                         "the square of the sample; 0: one pass", ge=0)
 
     needs_own_head: ClassVar[bool] = True
 
     def validate(self) -> None:
-        self.validate_shape()
-        if self.ttt_steps < 1:
-            raise ConfigError("draft.ttt_steps must be >= 1")
-        if not 0 < self.step_decay <= 1:
-            raise ConfigError("draft.step_decay must be in (0, 1]")
         check_objective(self.loss, self.lk_eta)
-        for name in ("loss_chunk_rows", "attention_chunk"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"draft.{name} must be >= 0 (0: no chunks)")
 
     @property
     def num_positions(self) -> int:

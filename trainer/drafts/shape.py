@@ -21,6 +21,7 @@ import torch
 from trainer.errors import ConfigError
 from trainer.families import intermediate_size, norm_eps
 from trainer.losses import parse_objective
+from trainer.settings import setting
 
 # The size a capture builds when nothing says otherwise (the EAGLE-3 reference's Vd).
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
@@ -70,18 +71,24 @@ def flat_rope_parameters(t) -> dict:
 class TargetShape:
     """Fields a draft takes from the target unless set (null = the target's)."""
 
-    hidden_size: int | None = None  # H; must equal the target's (the draft shares its embedding)
-    intermediate_size: int | None = None  # I
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float | None = None
-    max_position_embeddings: int | None = None
-    rope_parameters: dict | None = None  # the target's, flat (flat_rope_parameters)
-    target_hidden_size: int | None = None  # Ht
-    vocab_size: int | None = None  # V, the target's
-    draft_vocab_size: int | None = None  # Vd: see the module docstring
-    aux_layer_ids: list[int] | None = None  # entering-layer convention; null: the capture's choice for this draft
+    hidden_size: int | None = setting(None, "H; null: the target's (EAGLE-3: must equal it, the draft shares its "
+                                            "embedding)", ge=1)
+    intermediate_size: int | None = setting(None, "the MLP's width I; null: the target's", ge=1)
+    num_attention_heads: int | None = setting(None, "attention heads; null: the target's", ge=1)
+    num_key_value_heads: int | None = setting(None, "key/value heads; null: the target's", ge=1)
+    head_dim: int | None = setting(None, "the attention head's width; null: the target's", ge=1)
+    rms_norm_eps: float | None = setting(None, "RMSNorm's epsilon; null: the target's", gt=0)
+    max_position_embeddings: int | None = setting(None, "positions; null: the target's", ge=1)
+    rope_parameters: dict | None = setting(None, "RoPE's parameters, flat; null: the target's "
+                                                 "(flat_rope_parameters)")
+    target_hidden_size: int | None = setting(None, "the target's width Ht; null: read from the target", ge=1)
+    vocab_size: int | None = setting(None, "the target's vocabulary V; null: read from the target", ge=1)
+    draft_vocab_size: int | None = setting(None, "Vd, the draft vocabulary: null, the capture's where the draft "
+                                                 "has its own head (EAGLE-3), else the target's full head; an int, "
+                                                 "that many most frequent assistant tokens (trainer/drafts/shape.py)",
+                                           ge=1)
+    aux_layer_ids: list[int] | None = setting(None, "the target layers the draft reads, entering-layer convention; "
+                                                    "null: the capture's choice for this draft")
 
     # Whether the draft always has its own head over a draft vocabulary (EAGLE-3), or shares
     # the target's full head unless given a draft_vocab_size (block drafts).
@@ -112,7 +119,3 @@ class TargetShape:
                               f"vocabulary ({data_vocab_size} tokens); use at most {data_vocab_size}, or null "
                               + ("for the capture's" if self.needs_own_head else "for the target's full LM head"))
         return self
-
-    def validate_shape(self) -> None:
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ConfigError("draft.draft_vocab_size must be >= 1, or null (see trainer/drafts/shape.py)")

@@ -51,9 +51,12 @@ def rule(bounds: dict) -> str:
     return ""
 
 
-def brief(text: str, width: int = 80) -> str:
-    """A help's first clause (up to its first "; ", ": " or " (", past an engine's tag such as "vllm: "),
-    at most `width` characters: what an error line and a suggestion quote of it."""
+def brief(text: str, width: int = 100) -> str:
+    """A help whole when it is short (at most `width` characters), else its first clause (up to its first
+    "; ", ": " or " (", past an engine's tag such as "vllm: "), cut to `width`: what an error line and a
+    suggestion quote of it."""
+    if len(text) <= width:
+        return text
     cut = min((k for k in (text.find("; ", 6), text.find(": ", 6), text.find(" (", 6)) if k > 0), default=len(text))
     text = text[:cut]
     return text if len(text) <= width else text[:text.rfind(" ", 0, width - 3)] + "..."
@@ -153,8 +156,8 @@ def reference_page(schemas: dict[str, type], width: int = 110) -> str:
              "Generated from the schemas (`trainer/config/*.py`, each setting's default, bounds and help declared",
              "with it): `.venv/bin/python scripts/config_reference.py` rewrites this page. Set any key in the",
              "stage's YAML (`--config FILE`) or as `key=value` after the command (nested keys dotted:",
-             "`regenerate.enabled=true`). The draft's own section (`train.draft`) is the algorithm's schema:",
-             "[train](train.md#the-draft-section).", ""]
+             "`regenerate.enabled=true`); the draft's section as `draft.KEY=VALUE` to train, under the algorithm",
+             "chosen ([train](train.md#the-draft-section)).", ""]
     for stage, schema in schemas.items():
         lines += [f"## {stage}", ""]
         rows = reference(schema)
