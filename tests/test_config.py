@@ -1,6 +1,7 @@
 """Typed configs: every YAML loads; typos, wrong types, missing keys and missing files
 fail with one line naming the key and a non-zero exit, through the real entry points."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 from recipes import capture, prepare
 from tests.conftest import REPO
 from trainer.config import SCHEMAS, CaptureConfig, ConfigError, PrepareConfig, load_config
+from trainer.settings import setting
 
 YAMLS = sorted((REPO / "recipes" / "configs").rglob("*.yaml"))
 
@@ -98,3 +100,31 @@ def test_console_script_reports_config_errors(tmp_path):
     assert r.stderr.strip() == want
     r = subprocess.run([str(exe), "captur"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "did you mean 'capture'" in r.stderr
+
+
+@dataclasses.dataclass
+class _Bounded:
+    count: int = setting(1, "how many", ge=1)
+    share: float | None = setting(None, "a fraction; null: all", gt=0, le=1)
+    mode: str = setting("a", "the mode", choices=("a", "b"))
+    loads: list[int] = setting(help="loads", factory=lambda: [1, 4], ge=1)
+    weights: dict[str, float] = setting(help="weights by name", factory=dict, gt=0)
+
+
+@pytest.mark.parametrize("override, line", [
+    ("count=0", "count=0; use >= 1 (how many)"),
+    ("share=0", "share=0; use in (0, 1], or null (a fraction; null: all)"),
+    ("share=1.5", "share=1.5; use in (0, 1], or null"),
+    ("mode=c", "mode='c'; use one of a, b (the mode)"),
+    ("loads=[1,0,4]", "loads=[1, 0, 4] (0); use >= 1 (loads)"),
+    ("weights={x: 1, y: -2}", "weights={x: 1, y: -2} (y: -2); use > 0 (weights by name)"),
+])
+def test_a_setting_out_of_its_declared_bounds_is_one_line(override, line):
+    """Bounds declared with the field (trainer/settings.py) are checked at load, for a list's elements
+    and a dict's values too; a null optional is never checked; the line names key, value and rule."""
+    assert load_config(_Bounded, None, ["share=1", "loads=[2]", "weights={x: 0.5}"]).share == 1.0
+    assert load_config(_Bounded, None, ["share=null"]).share is None
+    with pytest.raises(ConfigError) as e:
+        load_config(_Bounded, None, [override])
+    assert str(e.value).startswith(line), str(e.value)
+

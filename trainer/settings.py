@@ -2,8 +2,8 @@
 (`setting`), as transformers' configuration classes and vLLM's config dataclasses keep them. From
 there come the bounds check every config load runs before a schema's cross-field `validate()`
 (`check_settings`), the help of every command-line flag and of the unknown-key suggestions
-(`help_of`), and the generated reference page, docs/config.md (`reference`,
-`python -m trainer.config.reference`).
+(`help_of`), and the generated reference page, docs/config.md (`reference_page`, written by
+scripts/config_reference.py).
 """
 
 from __future__ import annotations
