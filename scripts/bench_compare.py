@@ -81,7 +81,8 @@ def table(report: dict) -> str:
             rows.append(f"| {b} | {name} | {p['n'] or '-'} | {p['measured_tokens_per_s']:.1f} ± "
                         f"{p.get('measured_se', 0):.1f} ({len(each)}) | {p['tokens_per_s']:.1f} | {p['error']:+.0%} | "
                         f"{min(each):+.0%} .. {max(each):+.0%} | {p['measured_tokens_per_s'] / plain:.2f} |")
-        rec = report["recommendations"][b]
+        recs = report["recommendations"]
+        rec = recs[b] if b in recs else recs[str(b)]  # a report read back from report.json has string keys
         serve = rec["best"]["candidate"] + (f" N={rec['best']['n']}" if rec["best"]["n"] else "")
         rows.append(f"| {b} | **serve** | | {serve} ({rec.get('why', '')}) | | | | |")
     return "\n".join(rows)
