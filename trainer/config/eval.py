@@ -7,7 +7,7 @@ from typing import Any
 
 from trainer.errors import ConfigError
 from trainer.settings import setting
-from trainer.speculative import check_draft_sampling
+from trainer.speculative import DRAFT_SAMPLING
 
 
 @dataclass
@@ -35,7 +35,7 @@ class EvalConfig:
                                             "draft_sample_method (vllm/config/speculative.py): greedy (its default: "
                                             "argmax proposals, one-hot q in rejection sampling) or probabilistic "
                                             "(x ~ softmax(logits / temperature), q in the ratio test)",
-                                  choices=("greedy", "probabilistic"))
+                                  choices=DRAFT_SAMPLING)
     draft_options: dict[str, Any] = setting(help="keyword options of the algorithm's proposer (its OPTIONS, e.g. "
                                                  "DSpark's draft_topk)", factory=dict)
     ablations: list[str] = setting(help="variants the algorithm declares (its ABLATIONS, e.g. DSpark's "
@@ -51,7 +51,6 @@ class EvalConfig:
     overwrite: bool = setting(True, "a report folder is a measurement: re-running replaces it")
 
     def validate(self) -> None:
-        check_draft_sampling(self.draft_sampling)
         self.context_buckets = sorted(set(self.context_buckets))
         if self.context_buckets and min(self.context_buckets) <= self.max_new_tokens:
             raise ConfigError(f"context bucket {min(self.context_buckets)} leaves no room for a prompt beside "
