@@ -53,7 +53,9 @@ def train(cap: Path, out: Path, n: int, loss: str, optimizer: str) -> dict:
         run([PY, "recipes/train.py", "--config", "recipes/configs/smollm2-135m/eagle3.yaml", f"data={cap}",
              f"output_dir={out}", f"max_samples={n}", "epochs=1", "batch_size=1", "gradient_accumulation_steps=1",
              "max_length=1024", "save_every=100000", "log_every=10", "warmup_steps=10", "draft.ttt_steps=3",
-             f"draft.loss={loss}", f"optimizer={optimizer}"], f"train {out.name}")
+             f"draft.loss={loss}", f"optimizer={optimizer}"]
+            # a training stopped before its report is started again (the benchmark owns its folder)
+            + (["overwrite=true"] if out.exists() else []), f"train {out.name}")
     return json.loads((out / "train_report.json").read_text())
 
 

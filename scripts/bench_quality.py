@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -47,14 +48,14 @@ def run(cmd: list[str], what: str) -> None:
         raise SystemExit(f"{what} failed:\n{r.stderr[-3000:]}")
 
 
-def data(out: Path, records: int) -> dict[str, Path]:
-    """The two prepared sets and their captures."""
+def data(out: Path, records: int, names: list[str]) -> dict[str, Path]:
+    """The prepared sets asked for (written, regenerated) and their captures."""
     py = str(REPO / ".venv" / "bin" / "python")
     common = ["source=sharegpt", f"max_records={records}", "max_length=1024"]
     sets = {"written": [], "regenerated": ["regenerate.enabled=true", "regenerate.engine=vllm",
                                            "regenerate.max_new_tokens=512", "regenerate.concurrency=32"]}
     caps = {}
-    for name, extra in sets.items():
+    for name, extra in ((n, sets[n]) for n in names):
         prepared, cap = out / f"prepared-{name}", out / f"capture-{name}"
         if not (prepared / "summary.json").is_file():
             run([py, "recipes/prepare.py", f"output_dir={prepared}", *common, *extra], f"prepare {name}")
@@ -83,17 +84,42 @@ def budget_samples(capture: Path, budget: int) -> tuple[int, int]:
     return n, tokens
 
 
-def train_ours(capture: Path, out: Path, algorithm: str, n: int) -> None:
+def variant_overrides(variant: str | None) -> list[str]:
+    """A trainer's variant "LOSS-OPTIMIZER" (fkl-adamw, lk_hybrid-muon) as recipe overrides."""
+    if not variant:
+        return []
+    loss, optimizer = variant.rsplit("-", 1)
+    return [f"draft.loss={loss}", f"optimizer={optimizer}"]
+
+
+# draftsmith's objective names -> speculators 0.9's --loss-fn names (speculators/losses/utils.py)
+PEER_LOSS = {"fkl": "kl_div", "rkl": "rkl", "jsd": "jsd", "tv": "tv", "lk_hybrid": "lk_hybrid", "ce": "ce"}
+
+
+def peer_flags(variant: str | None) -> list[str]:
+    """The peer's variant "LOSS-OPTIMIZER": OPTIMIZER "own" is speculators' own defaults (Muon, its
+    learning rate, weight decay and linear schedule), "adamw" the draftsmith recipe's AdamW, rate
+    and cosine schedule; LOSS a draftsmith objective name, given to it as its own."""
+    if not variant:
+        return []
+    loss, optimizer = variant.rsplit("-", 1)
+    if loss not in PEER_LOSS or optimizer not in ("own", "adamw"):
+        raise SystemExit(f"speculators variant '{variant}': use LOSS-own or LOSS-adamw, LOSS in {sorted(PEER_LOSS)}")
+    return ["--loss-fn", PEER_LOSS[loss]] + (["--own-defaults"] if optimizer == "own" else [])
+
+
+def train_ours(capture: Path, out: Path, algorithm: str, n: int, variant: str | None = None) -> None:
     if (out / "train_report.json").is_file():
         return
     extra = ["draft.ttt_steps=3", "draft.train_lm_head=false"] if algorithm == "eagle3" else []
+    extra += variant_overrides(variant)
     run([str(REPO / ".venv" / "bin" / "python"), "recipes/train.py", "--config",
          f"recipes/configs/smollm2-135m/{algorithm}.yaml", f"data={capture}", f"output_dir={out}",
          f"max_samples={n}", "epochs=1", "batch_size=1", "gradient_accumulation_steps=1", "max_length=1024",
          "save_every=100000", "log_every=10", "warmup_steps=10", *extra], f"train {algorithm} {out.name}")
 
 
-def train_peer(capture: Path, out: Path, n: int) -> Path:
+def train_peer(capture: Path, out: Path, n: int, variant: str | None = None) -> Path:
     """The peer's EAGLE-3 on the same n samples; its checkpoint as it saves it."""
     from bench_train import export_for_peer
 
@@ -109,28 +135,49 @@ def train_peer(capture: Path, out: Path, n: int) -> Path:
         ids, _ = export_for_peer(str(capture), Path(tmp) / "data", 1024, limit=n)
         run([str(PEER_PYTHON), "scripts/peer_speculators.py", "--data", str(Path(tmp) / "data"), "--verifier",
              verifier, "--out", str(out), "--aux-layer-ids", ",".join(map(str, ids)), "--ttt-steps", "3",
-             "--lr", str(cfg.learning_rate), "--max-length", "1024", "--keep-checkpoint"], f"speculators {out.name}")
+             "--lr", str(cfg.learning_rate), "--max-length", "1024", "--keep-checkpoint", *peer_flags(variant)],
+            f"speculators {out.name}")
     return ckpt
 
 
-def measure_vllm(draft: Path, out: Path, prompts: dict, max_new: int) -> dict:
-    """τ per dataset in vLLM (N = 3)."""
+def spread(per_group: list[tuple[int, int]]) -> float:
+    """The standard error of τ over groups of prompts: per_group [(rounds, accepted)]."""
+    taus = [1 + a / d for d, a in per_group if d]
+    if len(taus) < 2:
+        return float("nan")
+    mean = sum(taus) / len(taus)
+    return math.sqrt(sum((t - mean) ** 2 for t in taus) / (len(taus) - 1) / len(taus))
+
+
+def measure_vllm(draft: Path, out: Path, prompts: dict, max_new: int, group: int = 0) -> dict:
+    """τ per dataset in vLLM (N = 3), counted by vLLM; with `group`, the prompts go in groups of that
+    many (one after another, each batched) and "se" is τ's standard error over the groups."""
     from trainer.target import load_target
     from trainer.vllm import checks
 
     if out.is_file():
         return json.loads(out.read_text())
     target = load_target("smollm2-135m-instruct", head_only=True)
-    r = checks.run_vllm(target.hf_dir, {"groups": prompts}, out.with_suffix(".vllm.json"), draft=str(draft),
+    size = group or max(len(v) for v in prompts.values())
+    groups = {f"{ds}/{i // size}": batch[i:i + size]
+              for ds, batch in prompts.items() for i in range(0, len(batch), size)}
+    r = checks.run_vllm(target.hf_dir, {"groups": groups}, out.with_suffix(".vllm.json"), draft=str(draft),
                         num_speculative_tokens=3, max_new_tokens=max_new, method="eagle3")
-    res = {ds: {"tau": g["tau"], "counts": {k: g[k] for k in ("num_drafts", "num_accepted_tokens",
-                                                              "accepted_per_position")}}
-           for ds, g in r["spec_by_group"].items()}
+    res = {}
+    for ds in prompts:
+        gs = [g for name, g in r["spec_by_group"].items() if name.split("/")[0] == ds]
+        drafts, accepted = sum(g["num_drafts"] for g in gs), sum(g["num_accepted_tokens"] for g in gs)
+        per_pos = [sum(col) for col in zip(*(g["accepted_per_position"] for g in gs))]
+        res[ds] = {"tau": 1 + accepted / max(drafts, 1), "se": spread([(g["num_drafts"], g["num_accepted_tokens"])
+                                                                        for g in gs]),
+                   "counts": {"num_drafts": drafts, "num_accepted_tokens": accepted, "accepted_per_position": per_pos}}
     out.write_text(json.dumps(res))
     return res
 
 
-def measure_in_tree(draft: Path, out: Path, prompts: dict, max_new: int, n: int) -> dict:
+def measure_in_tree(draft: Path, out: Path, prompts: dict, max_new: int, n: int, group: int = 0) -> dict:
+    """τ per dataset in-tree at N = n (its counts are vLLM's: tests/test_vllm.py); with `group`,
+    decoded that many prompts at a time and "se" over those groups."""
     from export.load import load_proposer
     from trainer.speculative import measure
     from trainer.target import load_target
@@ -140,9 +187,15 @@ def measure_in_tree(draft: Path, out: Path, prompts: dict, max_new: int, n: int)
     target = load_target("smollm2-135m-instruct")
     proposer, _ = load_proposer(str(draft), target)
     res = {}
-    for ds, group in prompts.items():
-        s = measure(target, proposer, group, max_new, n, eos_token_ids=target.eos_token_ids)
-        res[ds] = {"tau": s.tau, "counts": s.counts()}
+    for ds, batch in prompts.items():
+        size = group or len(batch)
+        counts = [measure(target, proposer, batch[i:i + size], max_new, n, eos_token_ids=target.eos_token_ids,
+                          batch_size=size).counts() for i in range(0, len(batch), size)]
+        drafts, accepted = sum(c["num_drafts"] for c in counts), sum(c["num_accepted_tokens"] for c in counts)
+        per_pos = [sum(col) for col in zip(*(c["accepted_per_position"] for c in counts))]
+        res[ds] = {"tau": 1 + accepted / max(drafts, 1),
+                   "se": spread([(c["num_drafts"], c["num_accepted_tokens"]) for c in counts]),
+                   "counts": {"num_drafts": drafts, "num_accepted_tokens": accepted, "accepted_per_position": per_pos}}
     out.write_text(json.dumps(res))
     return res
 
@@ -178,13 +231,21 @@ def main() -> None:
     ap.add_argument("--data", default="written,regenerated")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--group", type=int, default=0,
+                    help="prompts measured together; the spread (se) is over such groups (0: one group, no spread)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trainers = args.trainers.split(",")
-    if "speculators" in trainers and not PEER_PYTHON.exists():
+    trainers = [(t.partition("@")[0], t.partition("@")[2] or None) for t in args.trainers.split(",")]
+    unknown = {k for k, _ in trainers} - {"eagle3", "dflash", "dspark", "speculators"}
+    if unknown:
+        raise SystemExit(f"--trainers: unknown {sorted(unknown)}; use eagle3, dflash, dspark, speculators, each "
+                         "with an optional @LOSS-OPTIMIZER")
+    if any(k == "speculators" for k, _ in trainers) and not PEER_PYTHON.exists():
         raise SystemExit("no .speculators-venv: run `bash scripts/setup_speculators.sh` (or drop speculators)")
-    caps = data(out, args.records)
+    for k, v in trainers:  # a bad variant stops here, before hours of capture
+        peer_flags(v) if k == "speculators" else variant_overrides(v)
+    caps = data(out, args.records, args.data.split(","))
     from trainer.data.evalsets import chat_prompt_ids, load_prompts
     from trainer.target import load_target
 
@@ -194,21 +255,25 @@ def main() -> None:
     for budget in map(int, args.budgets.split(",")):  # smallest budgets first, every data set: a stopped run
         for name in args.data.split(","):               # still has the start of each curve
             n, tokens = budget_samples(caps[name], budget)
-            for trainer in trainers:
-                d = out / name / f"{trainer}-{budget}"
-                if trainer == "speculators":
-                    tau = measure_vllm(train_peer(caps[name], d, n), d / "tau.json", prompts, args.max_new_tokens)
-                elif trainer == "eagle3":
-                    train_ours(caps[name], d / "draft", "eagle3", n)
+            for kind, variant in trainers:
+                label = f"{kind}@{variant}" if variant else kind
+                d = out / name / (f"{kind}.{variant}-{budget}" if variant else f"{kind}-{budget}")
+                if kind == "speculators":
+                    tau = measure_vllm(train_peer(caps[name], d, n, variant), d / "tau.json", prompts,
+                                       args.max_new_tokens, args.group)
+                elif kind == "eagle3":
+                    train_ours(caps[name], d / "draft", "eagle3", n, variant)
                     if not (d / "export" / "draftsmith_export.json").is_file():
                         run([str(REPO / ".venv" / "bin" / "draftsmith"), "export", "--draft",
                              str(d / "draft"), "--output-dir", str(d / "export"), "--num-draft-tokens", "3",
                              "--overwrite"], f"export {d}")
-                    tau = measure_vllm(d / "export", d / "tau.json", prompts, args.max_new_tokens)
+                    tau = measure_vllm(d / "export", d / "tau.json", prompts, args.max_new_tokens, args.group)
                 else:
-                    train_ours(caps[name], d / "draft", trainer, n)
-                    tau = measure_in_tree(d / "draft", d / "tau.json", prompts, args.max_new_tokens, 7)
-                row = {"data": name, "budget": budget, "samples": n, "tokens": tokens, "trainer": trainer, "tau": tau}
+                    train_ours(caps[name], d / "draft", kind, n, variant)
+                    trained_n = json.loads((d / "draft" / "config.json").read_text())["draft"].get("block_size", 8) - 1
+                    tau = measure_in_tree(d / "draft", d / "tau.json", prompts, args.max_new_tokens, trained_n,
+                                          args.group)
+                row = {"data": name, "budget": budget, "samples": n, "tokens": tokens, "trainer": label, "tau": tau}
                 results.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "tau"} |
                                  {ds: round(tau[ds]["tau"], 3) for ds in DATASETS}), flush=True)
@@ -217,10 +282,11 @@ def main() -> None:
     print(f"\nτ against training tokens: SmolLM2-135M-Instruct, {args.records} ShareGPT records (max_length 1024), "
           f"greedy, {args.prompts} prompts x {args.max_new_tokens} new tokens per dataset; EAGLE-3 (draftsmith, "
           "speculators) N=3 in vLLM, DFlash N=7 in-tree; one epoch over the first samples reaching each budget")
-    print(f"{'data':<12}{'trainer':<13}{'tokens':>9}{'samples':>9}  " + "  ".join(f"{ds:>8}" for ds in DATASETS))
+    print(f"{'data':<12}{'trainer':<26}{'tokens':>10}{'samples':>9}  " + "  ".join(f"{ds:>8}" for ds in DATASETS))
     for r in sorted(results, key=lambda r: (r["data"], r["trainer"], r["tokens"])):
-        print(f"{r['data']:<12}{r['trainer']:<13}{r['tokens']:>9,}{r['samples']:>9}  "
-              + "  ".join(f"{r['tau'][ds]['tau']:>8.3f}" for ds in DATASETS))
+        print(f"{r['data']:<12}{r['trainer']:<26}{r['tokens']:>10,}{r['samples']:>9}  "
+              + "  ".join(f"{r['tau'][ds]['tau']:>8.3f}" + (f" ±{r['tau'][ds]['se']:.3f}" if "se" in r["tau"][ds]
+                                                             else "") for ds in DATASETS))
     print(f"plot: {out / 'quality.png'}")
 
 

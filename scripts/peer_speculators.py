@@ -42,6 +42,11 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=768, help="speculators' total_seq_len (packing budget)")
     ap.add_argument("--num-layers", type=int, default=1)
     ap.add_argument("--num-workers", type=int, default=0, help="speculators' dataloader workers")
+    ap.add_argument("--loss-fn", default=None, help="speculators' --loss-fn (kl_div, rkl, jsd, tv, lk_hybrid, a JSON "
+                    "mix); default: its own (kl_div for EAGLE-3)")
+    ap.add_argument("--own-defaults", action="store_true",
+                    help="its own optimizer, learning rate, weight decay and schedule (Muon, 1e-3, 0.01, linear) "
+                         "instead of AdamW at --lr, no weight decay, cosine (draftsmith's recipe)")
     ap.add_argument("--keep-checkpoint", action="store_true",
                     help="save the trained draft as speculators saves it (OUT/checkpoints/0; after the timed epoch)")
     args = ap.parse_args()
@@ -78,10 +83,13 @@ def main() -> None:
              "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--total-seq-len", str(args.max_length),
              "--train-data-ratio", str(info["train_data_ratio"]), "--hidden-states-dtype", "float32",
              "--num-workers", str(args.num_workers), "--on-missing", "raise",
-             "--ttt-steps", str(args.ttt_steps), "--optimizer", "adamw", "--lr", str(args.lr),
-             "--weight-decay", "0.0", "--scheduler-type", "cosine", "--epochs", "1",
+             "--ttt-steps", str(args.ttt_steps), "--epochs", "1",
              "--log-freq", "1000000", "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
              "--no-resume-from-checkpoint"]
+    if not args.own_defaults:
+        flags += ["--optimizer", "adamw", "--lr", str(args.lr), "--weight-decay", "0.0", "--scheduler-type", "cosine"]
+    if args.loss_fn:
+        flags += ["--loss-fn", args.loss_fn]
     torch.manual_seed(0)
     cli.main(TrainConfig.resolve(flags))
     if "seconds" not in timed:

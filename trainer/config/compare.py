@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.config.eval import checked_buckets
 from trainer.errors import ConfigError
 from trainer.settings import setting
 
@@ -59,9 +60,6 @@ class CompareConfig:
             raise ConfigError("nothing to compare: give --drafts EXPORT [EXPORT ...] (or keep ngram=true)")
         if not self.concurrency:
             raise ConfigError("concurrency is empty: give one or more integers >= 1, e.g. 1,4,16")
-        self.context_buckets = sorted(set(self.context_buckets))
-        if self.context_buckets and min(self.context_buckets) <= self.max_new_tokens:
-            raise ConfigError(f"context bucket {min(self.context_buckets)} leaves no room for a prompt beside "
-                              f"max_new_tokens={self.max_new_tokens}; use buckets above it")
+        self.context_buckets = checked_buckets(self.context_buckets, self.max_new_tokens)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError("the n-gram needs 1 <= prompt_lookup_min <= prompt_lookup_max (as vLLM)")

@@ -10,6 +10,16 @@ from trainer.settings import setting
 from trainer.speculative import DRAFT_SAMPLING
 
 
+def checked_buckets(buckets: list[int], max_new_tokens: int) -> list[int]:
+    """Context buckets sorted, once each; each must leave room for a prompt beside the answer
+    (eval's and compare's rule)."""
+    buckets = sorted(set(buckets))
+    if buckets and buckets[0] <= max_new_tokens:
+        raise ConfigError(f"context bucket {buckets[0]} leaves no room for a prompt beside "
+                          f"max_new_tokens={max_new_tokens}; use buckets above it")
+    return buckets
+
+
 @dataclass
 class EvalConfig:
     """`draftsmith eval`: a draft measured by the in-tree decoder against in-tree autoregressive decoding."""
@@ -51,10 +61,7 @@ class EvalConfig:
     overwrite: bool = setting(True, "a report folder is a measurement: re-running replaces it")
 
     def validate(self) -> None:
-        self.context_buckets = sorted(set(self.context_buckets))
-        if self.context_buckets and min(self.context_buckets) <= self.max_new_tokens:
-            raise ConfigError(f"context bucket {min(self.context_buckets)} leaves no room for a prompt beside "
-                              f"max_new_tokens={self.max_new_tokens}; use buckets above it")
+        self.context_buckets = checked_buckets(self.context_buckets, self.max_new_tokens)
         if self.no_chat_template and self.chat_template is not None:
             raise ConfigError(f"chat_template={self.chat_template} and no_chat_template=true ask for both a template "
                               "and none; drop one of them")
