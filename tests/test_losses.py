@@ -148,3 +148,64 @@ def test_block_drafts_train_on_any_objective_and_report_their_overlap(tiny_captu
     alphas = [h["alpha"] for h in r["history"]]
     assert len(alphas) == 3 and all(0 <= a <= 1 for row in alphas for a in row), alphas
     assert json.loads((tmp_path / "o" / "config.json").read_text())["draft"]["loss"] == objective
+
+
+def test_the_acceptance_training_reports_is_what_sampled_decoding_then_accepts(tmp_path, tiny_target_dir,
+                                                                               tiny_target):
+    """Σ_v min(p, q) is one position's acceptance when the draft's token x ~ q is verified by
+    rejection sampling (Leviathan et al., 2023, §2.3 and Appendix A.1: β = Σ_x min(p(x), q(x))).
+    A draft trained on the target's own sampled answers (temperature 1), with the whole vocabulary
+    as its own, reports α for its first TTT step over those samples (one pass, no update); the
+    in-tree decoder, sampling the same prompts at temperature 1 with proposals x ~ q and N = 1,
+    counts that acceptance at its first position: the two agree within 4 standard errors. A step
+    that reported the argmax match rate would not. (With a draft vocabulary smaller than the
+    target's, the step's p is renormalized over it, so α reads high by up to the target's mass
+    outside it: docs/train.md.)"""
+    from recipes import capture, prepare, train
+    from tests.conftest import GOOD_CHATS, REPO, splice_prepared, write_jsonl
+    from trainer.config import CaptureConfig, PrepareConfig, TrainConfig, load_config
+    from trainer.data.collate import CapturedSamples, collate
+    from trainer.drafts.eagle3 import Eagle3Proposer, target_labels, training_step
+    from trainer.drafts.folder import load_draft
+    from trainer.speculative import Sampling, generate, measure
+
+    t = tiny_target
+    hot = Sampling(temperature=1.0)
+    prompts = [t.tokenizer.apply_chat_template([m for m in c["messages"] if m["role"] != "assistant"],
+                                               add_generation_prompt=True, tokenize=True)["input_ids"]
+               for c in GOOD_CHATS if "messages" in c] * 8  # 24 prompts: each sampled 8 times
+    answers = [generate(t, [p], 40, sampling=hot, seed=1000 + i)[0][0] for i, p in enumerate(prompts)]
+    src = write_jsonl(tmp_path / "chats.jsonl", GOOD_CHATS)
+    prepare.run(PrepareConfig(output_dir=str(tmp_path / "prepared"), target=str(tiny_target_dir), source=str(src),
+                              max_length=256))
+    splice_prepared(tmp_path / "prepared", {"input_ids": [p + a for p, a in zip(prompts, answers)],
+                                            "loss_mask": [[0] * len(p) + [1] * len(a)
+                                                          for p, a in zip(prompts, answers)]})
+    vocab = t.vocab_size
+    capture.run(CaptureConfig(data=str(tmp_path / "prepared"), output_dir=str(tmp_path / "capture"),
+                              target=str(tiny_target_dir), draft_vocab_size=vocab, store_dtype="float32"))
+    train.run(load_config(TrainConfig, REPO / "recipes" / "configs" / "tiny" / "eagle3.yaml",
+                          [f"data={tmp_path / 'capture'}", f"target={tiny_target_dir}", f"output_dir={tmp_path / 'd'}",
+                           "max_steps=60", "epochs=100", "batch_size=4", "log_every=60", "save_every=1000"]))
+
+    _, draft = load_draft(tmp_path / "d", t)
+    draft.eval()
+    alpha, rows, hits = [0.0] * 3, [0] * 3, 0.0
+    samples = CapturedSamples(tmp_path / "capture", None)
+    with torch.no_grad():
+        for i in range(0, len(samples), 4):
+            batch = collate([samples[j] for j in range(i, min(i + 4, len(samples)))])
+            m = training_step(draft, batch, target_labels(t, batch, draft))
+            alpha = [a + float(x) for a, x in zip(alpha, m.alpha)]
+            rows = [r + int(x) for r, x in zip(rows, m.alpha_rows)]
+            hits += float(m.correct[0])
+    reported = alpha[0] / rows[0]
+
+    proposer = Eagle3Proposer(draft, "probabilistic", seed=7)
+    s = measure(t, proposer, prompts, 40, 1, hot, batch_size=4, seed=3)
+    decoded = s.accepted_at[0] / s.rounds
+    se = math.sqrt(reported * (1 - reported) * (1 / s.rounds + 1 / rows[0]))
+    assert abs(decoded - reported) < 4 * se, (decoded, reported, se, s.rounds)
+    # what it is not: the argmax match rate, or a later step's acceptance, is far from it
+    # what it is not: the rate at which the draft's argmax is the target's (the step's accuracy)
+    assert abs(hits / rows[0] - decoded) > 4 * se, (hits / rows[0], decoded, se)
