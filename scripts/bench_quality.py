@@ -66,8 +66,9 @@ def data(out: Path, records: int, names: list[str]) -> dict[str, Path]:
     return caps
 
 
-def budget_samples(capture: Path, budget: int) -> tuple[int, int]:
-    """(n, tokens): the fewest first samples of the capture whose tokens reach `budget`."""
+def budget_samples(capture: Path, budget: int, max_length: int = 1024) -> tuple[int, int]:
+    """(n, tokens): the fewest first samples of the capture whose tokens reach `budget` (each counted
+    up to `max_length`, the training's)."""
     from safetensors import safe_open
 
     from trainer.data.shards import load_manifest
@@ -78,7 +79,7 @@ def budget_samples(capture: Path, budget: int) -> tuple[int, int]:
         with safe_open(capture / entry["file"], "pt") as f:
             cu = f.get_tensor("cu_seqlens").tolist()
         for a, b in zip(cu, cu[1:]):
-            n, tokens = n + 1, tokens + min(b - a, 1024)
+            n, tokens = n + 1, tokens + min(b - a, max_length)
             if tokens >= budget:
                 return n, tokens
     return n, tokens
@@ -116,7 +117,9 @@ def train_ours(capture: Path, out: Path, algorithm: str, n: int, variant: str | 
     run([str(REPO / ".venv" / "bin" / "python"), "recipes/train.py", "--config",
          f"recipes/configs/smollm2-135m/{algorithm}.yaml", f"data={capture}", f"output_dir={out}",
          f"max_samples={n}", "epochs=1", "batch_size=1", "gradient_accumulation_steps=1", "max_length=1024",
-         "save_every=100000", "log_every=10", "warmup_steps=10", *extra], f"train {algorithm} {out.name}")
+         "save_every=100000", "log_every=10", "warmup_steps=10", *extra]
+        + (["overwrite=true"] if out.exists() else []),  # one stopped before its report starts again
+        f"train {algorithm} {out.name}")
 
 
 def train_peer(capture: Path, out: Path, n: int, variant: str | None = None) -> Path:

@@ -1,0 +1,107 @@
+"""Benchmark (issue 43 item 5): the same training budget spent three ways, and τ per context length.
+Does a draft trained on short samples lose acceptance on long prompts, and do long samples (with or
+without a sliding window) keep it?
+
+    .venv/bin/python scripts/bench_long_context.py --out runs/long-context [--records 3000] [--budget 200000]
+        [--algorithm dflash] [--window 512] [--buckets 1024,2048,4096,8192] [--prompts 8] [--max-new-tokens 32]
+
+1. Data: the first --records packaged ShareGPT records prepared twice, "short" (max_length 1024, the
+   recipes' usual cut) and "long" (max_length 8192, SmolLM2-135M's context: a longer conversation is
+   skipped, never cut), each captured once (transformers engine, bfloat16, the algorithm's layers, an
+   8,192-token draft vocabulary).
+2. Train the SmolLM2 recipe's draft (recipes/configs/smollm2-135m/{algorithm}.yaml) one epoch over the
+   first samples of a capture reaching --budget tokens, batch 1, three ways: short; long; long with
+   draft.sliding_window=--window on every layer (DFlash and DSpark only: draftsmith's EAGLE-3 trains
+   full attention, so its third way is left out).
+3. Measure: `draftsmith eval --context-buckets` (in-tree; its counts are vLLM's, tests/test_vllm.py),
+   greedy, at the draft's trained N, --prompts prompts per bucket built to that length (documents
+   and a question: trainer/data/buckets.py), the same prompts for every draft.
+The goal (issue 43): the long-trained draft's τ at 4-8K within 10% of its τ at 1K, with the
+short-trained draft's drop beside it. Every step is skipped when its output exists: a stopped run
+continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_quality import budget_samples, run  # noqa: E402 (the scripts folder, put on the path above)
+
+PY = str(REPO / ".venv" / "bin" / "python")
+LENGTHS = {"short": 1024, "long": 8192}
+
+
+def capture(out: Path, name: str, records: int, algorithm: str) -> Path:
+    prepared, cap = out / f"prepared-{name}", out / f"capture-{name}"
+    if not (prepared / "summary.json").is_file():
+        run([PY, "recipes/prepare.py", f"output_dir={prepared}", "source=sharegpt", f"max_records={records}",
+             f"max_length={LENGTHS[name]}"], f"prepare {name}")
+    if not (cap / "manifest.json").is_file():
+        run([PY, "recipes/capture.py", f"data={prepared}", f"output_dir={cap}", f"drafts=[{algorithm}]",
+             "draft_vocab_size=8192", "store_dtype=bfloat16"], f"capture {name}")
+    return cap
+
+
+def train(cap: Path, out: Path, algorithm: str, n: int, max_length: int, extra: list[str]) -> None:
+    if (out / "train_report.json").is_file():
+        return
+    run([PY, "recipes/train.py", "--config", f"recipes/configs/smollm2-135m/{algorithm}.yaml", f"data={cap}",
+         f"output_dir={out}", f"max_samples={n}", "epochs=1", "batch_size=1", "gradient_accumulation_steps=1",
+         f"max_length={max_length}", "save_every=100000", "log_every=10", "warmup_steps=10", *extra]
+        + (["overwrite=true"] if out.exists() else []), f"train {out.name}")
+
+
+def measure(draft: Path, out: Path, buckets: str, prompts: int, max_new: int) -> dict:
+    if not (out / "report.json").is_file():
+        run([str(REPO / ".venv" / "bin" / "draftsmith"), "eval", "--draft", str(draft), "--context-buckets", buckets,
+             "--num-prompts", str(prompts), "--max-new-tokens", str(max_new), "--output-dir", str(out)],
+            f"eval {draft.name}")
+    return json.loads((out / "report.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/long-context")
+    ap.add_argument("--records", type=int, default=3000)
+    ap.add_argument("--budget", type=int, default=200000)
+    ap.add_argument("--algorithm", default="dflash", choices=("dflash", "dspark", "eagle3"))
+    ap.add_argument("--window", type=int, default=512, help="the sliding window of the third way, in tokens")
+    ap.add_argument("--buckets", default="1024,2048,4096,8192")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per bucket")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    caps = {name: capture(out, name, args.records, args.algorithm) for name in LENGTHS}
+    ways = [("short", "short", []), ("long", "long", [])]
+    if args.algorithm != "eagle3":
+        ways.append((f"long-window{args.window}", "long", [f"draft.sliding_window={args.window}"]))
+    rows = []
+    for way, data, extra in ways:
+        n, tokens = budget_samples(caps[data], args.budget, LENGTHS[data])
+        d = out / f"{args.algorithm}-{way}"
+        train(caps[data], d, args.algorithm, n, LENGTHS[data], extra)
+        r = measure(d, out / f"eval-{way}", args.buckets, args.prompts, args.max_new_tokens)
+        by = {b["context"]: b for b in r["context_buckets"]}
+        rows.append({"way": way, "samples": n, "tokens": tokens,
+                     "tau": {L: by[L]["tau"] for L in by}, "rounds": {L: by[L]["counts"]["num_drafts"] for L in by}})
+        print(json.dumps(rows[-1]), flush=True)
+        (out / "results.json").write_text(json.dumps(rows, indent=1))
+    buckets = sorted(rows[0]["tau"])
+    print(f"\n{args.algorithm} on SmolLM2-135M-Instruct, {args.budget:,} training tokens each way "
+          f"(one epoch, batch 1); τ in-tree, greedy, {args.prompts} prompts x {args.max_new_tokens} new tokens "
+          "per bucket; the change at the longest bucket against the first")
+    print(f"{'way':<20}{'samples':>8}{'tokens':>10}" + "".join(f"{L:>9}" for L in buckets) + "   change")
+    for r in rows:
+        t = r["tau"]
+        print(f"{r['way']:<20}{r['samples']:>8}{r['tokens']:>10,}" + "".join(f"{t[L]:>9.3f}" for L in buckets)
+              + f"   {(t[buckets[-1]] - t[buckets[0]]) / t[buckets[0]]:+.1%}")
+
+
+if __name__ == "__main__":
+    main()
