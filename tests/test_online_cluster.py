@@ -331,3 +331,66 @@ def test_two_producers_on_a_local_cluster_train_as_the_target_in_process(tiny_ca
     assert "2 hf producer(s)" in start and start.count(", pid ") == 2, start
     assert 1 <= len(two["final"]["online"]["producers"]) <= 2
 
+
+
+def _throttle(pid: int, stopped: float, running: float, until) -> None:
+    """Slow process `pid` as a loaded node would: stopped `stopped` s in every `stopped + running` s
+    (SIGSTOP, SIGCONT) until `until()` is true or it is gone."""
+    import signal
+
+    while not until():
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped)
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        time.sleep(running)
+
+
+def _slowed_run(side: str, cluster, prepared, out: Path) -> dict:
+    """The cluster run with `side`'s process (the trainer, or the producer actor) throttled while
+    it lasts; its final online line."""
+    import threading
+
+    log = out.parent / f"{side}-stderr.txt"
+    cmd = _args(prepared, out, f"online.address={cluster.address}", PRODUCER)
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, str(REPO / "recipes" / "train.py"), *cmd], cwd=REPO, text=True,
+                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **ENV})
+        try:
+            deadline = time.monotonic() + 600
+            while not (pids := _producer_pids(log.read_text())):  # the start line names the producer's pid
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            victim = proc.pid if side == "trainer" else pids[0]
+            t = threading.Thread(target=_throttle, args=(victim, 0.4, 0.2, lambda: proc.poll() is not None))
+            t.start()
+            proc.wait(timeout=600)
+            t.join()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    line = _report(out)["final"]["online"]
+    print(side, {k: line[k] for k in ("bound", "trainer_wait_s", "producer_blocked_s", "buffer_peak_tokens")})
+    return line
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_slow_node_is_back_pressure_and_waiting_never_growth(cluster, smol_prepared, in_process, tmp_path):
+    """Each side's node made slow in turn while a run lasts (its process stopped two thirds of the
+    time): with the trainer slow the producer is held back (it waits longer than when the producer
+    is the slow one) and the buffer never holds more than online.buffer_tokens (a sample more, at
+    most); with the producer slow the trainer waits longer than when it is the slow one, and the
+    run log calls it producer-bound. Each run is the one-process run to the bit."""
+    slow_trainer = _slowed_run("trainer", cluster, smol_prepared, tmp_path / "slow-trainer")
+    slow_producer = _slowed_run("producer", cluster, smol_prepared, tmp_path / "slow-producer")
+    for line in (slow_trainer, slow_producer):
+        assert max(line["buffer_peak_tokens"]) <= 160 + 48, line
+    assert slow_trainer["producer_blocked_s"] > slow_producer["producer_blocked_s"], (slow_trainer, slow_producer)
+    assert slow_producer["trainer_wait_s"] > slow_trainer["trainer_wait_s"], (slow_trainer, slow_producer)
+    assert slow_producer["bound"] == "producer-bound", slow_producer
+    _same_run(in_process, tmp_path / "slow-trainer")
+    _same_run(in_process, tmp_path / "slow-producer")
