@@ -4,7 +4,7 @@ ShareGPT capture of SmolLM2-135M-Instruct and is measured the same way; the tabl
 dataset with its spread, and the teacher-forced acceptance α the training reported.
 
     .venv/bin/python scripts/bench_objectives.py --out runs/objectives [--records 300] [--budget 50000]
-        [--losses fkl,tv,lk,lk_hybrid,jsd,rkl] [--optimizers adamw,muon] [--cells fkl-adamw,lk_hybrid-muon]
+        [--losses fkl,tv,lk,lk_hybrid,jsd,rkl] [--optimizers adamw,muon] [--cells fkl-adamw,lk_hybrid-muon@0.002]
         [--prompts 24] [--group 4] [--max-new-tokens 64]
 
 1. Data: --records packaged ShareGPT records as written, max_length 1024, captured once (transformers
@@ -18,6 +18,7 @@ dataset with its spread, and the teacher-forced acceptance α the training repor
    at a time (batched; the counts are the decoder's either way). The spread is the standard error of
    τ over those groups (each group's accepted tokens per round), so two cells whose difference is
    below about two standard errors are not told apart.
+A cell is LOSS-OPTIMIZER, or LOSS-OPTIMIZER@RATE for another learning rate than the recipe's.
 Every step is skipped when its output exists: a stopped run continues where it stopped.
 """
 
@@ -48,12 +49,12 @@ def capture(out: Path, records: int) -> Path:
     return cap
 
 
-def train(cap: Path, out: Path, n: int, loss: str, optimizer: str) -> dict:
+def train(cap: Path, out: Path, n: int, loss: str, optimizer: str, lr: str | None = None) -> dict:
     if not (out / "train_report.json").is_file():
         run([PY, "recipes/train.py", "--config", "recipes/configs/smollm2-135m/eagle3.yaml", f"data={cap}",
              f"output_dir={out}", f"max_samples={n}", "epochs=1", "batch_size=1", "gradient_accumulation_steps=1",
              "max_length=1024", "save_every=100000", "log_every=10", "warmup_steps=10", "draft.ttt_steps=3",
-             f"draft.loss={loss}", f"optimizer={optimizer}"]
+             f"draft.loss={loss}", f"optimizer={optimizer}"] + ([f"learning_rate={lr}"] if lr else [])
             # a training stopped before its report is started again (the benchmark owns its folder)
             + (["overwrite=true"] if out.exists() else []), f"train {out.name}")
     return json.loads((out / "train_report.json").read_text())
@@ -107,26 +108,28 @@ def main() -> None:
     n, tokens = budget_samples(cap, args.budget)
     tok = load_target("smollm2-135m-instruct", head_only=True).tokenizer
     prompts = {ds: chat_prompt_ids(tok, load_prompts(ds, args.prompts)) for ds in DATASETS}
-    cells = ([tuple(c.rsplit("-", 1)) for c in args.cells.split(",")] if args.cells else
-             [(loss, opt) for opt in args.optimizers.split(",") for loss in args.losses.split(",")])
+    cells = (args.cells.split(",") if args.cells else
+             [f"{loss}-{opt}" for opt in args.optimizers.split(",") for loss in args.losses.split(",")])
     rows = []
-    for loss, optimizer in cells:
-        d = out / f"{loss}-{optimizer}"
-        report = train(cap, d, n, loss, optimizer)
+    for cell in cells:
+        pair, _, lr = cell.partition("@")  # LOSS-OPTIMIZER[@LEARNING_RATE]: the recipe's rate unless given
+        loss, optimizer = pair.rsplit("-", 1)
+        d = out / cell
+        report = train(cap, d, n, loss, optimizer, lr or None)
         tau = measure(d, d / "tau.json", prompts, args.max_new_tokens, args.group)
         alpha = report["final"].get("alpha")
-        rows.append({"loss": loss, "optimizer": optimizer, "tau": tau, "alpha": alpha,
-                     "final_loss": report["final"].get("loss"), "seconds": report["seconds"]})
-        print(json.dumps({"loss": loss, "optimizer": optimizer, **{ds: round(tau[ds]["tau"], 3) for ds in DATASETS},
+        rows.append({"loss": loss, "optimizer": optimizer, "learning_rate": lr or "recipe", "tau": tau,
+                     "alpha": alpha, "final_loss": report["final"].get("loss"), "seconds": report["seconds"]})
+        print(json.dumps({"cell": cell, **{ds: round(tau[ds]["tau"], 3) for ds in DATASETS},
                           "alpha": [round(a, 3) for a in alpha or []]}), flush=True)
         (out / "results.json").write_text(json.dumps(rows, indent=1))
     print(f"\nEAGLE-3 on SmolLM2-135M-Instruct, {tokens:,} training tokens ({n} ShareGPT samples, one epoch, batch 1, "
           f"3 TTT steps); τ at N = 3, greedy, in-tree, {args.prompts} prompts x {args.max_new_tokens} tokens "
           f"per dataset (± one standard error over groups of {args.group}); "
           "α: the last logged teacher-forced acceptance per step")
-    print(f"{'loss':<11}{'optimizer':<10}" + "".join(f"{ds:>16}" for ds in DATASETS) + "   α per TTT step")
+    print(f"{'loss':<11}{'optimizer':<10}{'lr':<8}" + "".join(f"{ds:>16}" for ds in DATASETS) + "   α per TTT step")
     for r in rows:
-        print(f"{r['loss']:<11}{r['optimizer']:<10}"
+        print(f"{r['loss']:<11}{r['optimizer']:<10}{r['learning_rate']:<8}"
               + "".join(f"{r['tau'][ds]['tau']:>9.3f} ±{r['tau'][ds]['se']:.3f}" for ds in DATASETS)
               + "   " + " ".join(f"{a:.3f}" for a in r["alpha"] or []))
 
