@@ -124,7 +124,8 @@ def test_producer_and_trainer_deaths_end_the_run_and_it_resumes(data, tmp_path):
     """A trainer SIGKILLed mid-run leaves nothing of its producer running: vLLM's engine core is
     out of process here (VLLM_ENABLE_V1_MULTIPROCESSING=1, as tensor and pipeline parallelism run
     it, with their workers), and the producer's whole process group goes. A producer that dies
-    ends the run in one line naming it; each time the run resumes from its last checkpoint, and ends."""
+    ends the run in one line naming it; each time the run resumes from its last checkpoint, and it
+    ends with the loss of an uninterrupted run at every step it logged."""
     out = tmp_path / "run"
     # a small buffer: the producer is asked a few samples at a time, and dies after the first ones
     args = _args(data, "eagle3", out, "save_every=1", "online.concurrency=1", "online.buffer_tokens=60")
@@ -155,7 +156,16 @@ def test_producer_and_trainer_deaths_end_the_run_and_it_resumes(data, tmp_path):
     assert "exit 17" in line and "resume=latest continues from checkpoint_" in line
     resumed = _launch([*args, "resume=latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert json.loads((out / "train_report.json").read_text())["steps"] == 6
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["steps"] == 6
+    # twice cut, twice resumed, it trains as the uninterrupted run does: capture-then-train's loss at
+    # every step the resumed run logged (the first ones are the killed runs'), within a capture's tolerance
+    offline = train.run(load_config(TrainConfig, TINY / "eagle3.yaml", [
+        f"data={data / 'capture'}", f"target={data / 'target'}", f"output_dir={tmp_path / 'offline'}", *COMMON]))
+    theirs = {h["step"]: h["loss"] for h in offline["history"]}
+    ours = {h["step"]: h["loss"] for h in report["history"]}
+    assert ours and max(ours) == 6 and set(ours) <= set(theirs), (ours, theirs)
+    assert [ours[k] for k in sorted(ours)] == pytest.approx([theirs[k] for k in sorted(ours)], rel=LOSS_RTOL)
 
 
 def test_a_producer_that_stalls_ends_the_run_in_one_line(data, tmp_path):
