@@ -293,9 +293,12 @@ def test_a_vllm_producer_runs_the_target_in_its_own_dtype(tmp_path):
 @pytest.mark.parametrize("setting,expect", [
     (["online.engine=hf", "online.gpu_memory_utilization=0.5"], "are online.engine=vllm settings"),
     (["online.engine=hf", "online.tensor_parallel_size=2"], "are online.engine=vllm settings"),
-    (["online.engine=vllm", "online.producer_resources={producer_node: 1}"], "vLLM producers run on the first"),
+    (["online.engine=vllm", "online.producer_resources={producer_node: 1}", "online.devices=[0]"],
+     "online.devices names this machine's devices"),
+    (["online.engine=vllm", "online.producer_resources={nowhere: 1}"],  # vLLM producers are placed the same way
+     "online.producer_resources={\"nowhere\": 1}: the Ray cluster at "),
     (["online.engine=hf", "online.producer_resources={producer_node: 0}"],
-     "online.producer_resources={producer_node: 0} (producer_node: 0); use > 0, or null (hf: the Ray"),
+     "online.producer_resources={producer_node: 0} (producer_node: 0); use > 0, or null (the Ray"),
     (["online.engine=hf", "online.producer_resources={nowhere: 1}"],  # a local cluster has none: not a hang
      "online.producer_resources={\"nowhere\": 1}: the Ray cluster at "),
     (["online.engine=vllm", "online.gpu_memory_utilization=1.5"],

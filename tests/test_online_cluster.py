@@ -394,3 +394,51 @@ def test_a_slow_node_is_back_pressure_and_waiting_never_growth(cluster, smol_pre
     assert slow_producer["bound"] == "producer-bound", slow_producer
     _same_run(in_process, tmp_path / "slow-trainer")
     _same_run(in_process, tmp_path / "slow-producer")
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_vllm_producer_on_the_producer_node_trains_as_the_target_in_process(cluster, smol_prepared, in_process,
+                                                                            tmp_path):
+    """online.engine=vllm with online.producer_resources: the vLLM producer is started on the node
+    that offers them (a Ray actor there starts the runner, whose states cross to the trainer's
+    node), and the run trains as the one-process run does, within a vLLM capture's tolerance;
+    its log comes back into the run's folder and nothing of it outlives the run."""
+    from tests.conftest import require_vllm
+
+    require_vllm()
+    out = tmp_path / "vllm"
+    r = _launch(_args(smol_prepared, out, f"online.address={cluster.address}", PRODUCER, "online.engine=vllm",
+                      "online.target_dtype=float32", "online.concurrency=4"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    nodes = cluster.node_ids()
+    where = json.loads((out / ".online" / "producer-0.where.json").read_text())
+    assert where["node"] == nodes["producer_node"] != nodes["trainer_node"], (where, nodes)
+    assert "the vLLM producer runs the target in float32, 1 through the Ray cluster at " \
+        f"{cluster.address} on node " in r.stderr, r.stderr[-3000:]
+    assert "vLLM" in (out / ".online" / "producer-0.log").read_text()
+    assert not psutil.pid_exists(where["pid"]) or psutil.Process(where["pid"]).status() == psutil.STATUS_ZOMBIE
+    ours = [h["loss"] for h in _report(out)["history"]]
+    theirs = [h["loss"] for h in _report(in_process)["history"]]
+    assert ours == pytest.approx(theirs, rel=1e-3), (ours, theirs)  # tests/test_vllm_data.py's tolerance
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_trainer_that_dies_takes_its_vllm_producer_on_another_node_with_it(cluster, smol_prepared, tmp_path):
+    """The trainer killed mid-run (no cleanup): Ray ends the producer's host actor with its owner,
+    and the runner it started there (its child, PR_SET_PDEATHSIG) ends its process group: nothing
+    of the producer runs on its node within 30 s."""
+    from tests.conftest import require_vllm
+
+    require_vllm()
+    out = tmp_path / "o"
+    r = _launch(_args(smol_prepared, out, f"online.address={cluster.address}", PRODUCER, "online.engine=vllm",
+                      "online.target_dtype=float32"), {faults.TRAIN_AFTER_STEPS: "3"})
+    assert r.returncode == faults.EXIT_CODE, r.stderr[-3000:]
+    where = json.loads((out / ".online" / "producer-0.where.json").read_text())
+    pids = [where["pid"], where["host_pid"]]
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, f"the vLLM producer {pids} outlived the trainer"
+        time.sleep(0.5)

@@ -45,13 +45,15 @@ class OnlineConfig:
                                    "after the first do not re-run the target for them (0: none; the disk it costs: "
                                    "cache_tokens x bytes/token)", ge=0)
     address: str | None = setting(None, "a Ray cluster to join (auto, host:port); null: one started here")
-    producer_resources: dict[str, float] | None = setting(None, "hf: the Ray resources each producer asks for "
-                                                                "(e.g. {producer_node: 1}, a resource a node was "
-                                                                "started with); the target then runs in Ray actors "
-                                                                "on such nodes, not in the trainer processes; so it "
-                                                                "does with address or data_parallel_size > 1 set "
-                                                                "(docs/online-cluster.md)", gt=0)
-    devices: list[str] | None = setting(None, "vllm: the producer's devices; null: the visible ones")
+    producer_resources: dict[str, float] | None = setting(None, "the Ray resources each producer asks for (e.g. "
+                                                                "{producer_node: 1}, a resource a node was started "
+                                                                "with; GPU: the devices a vLLM producer gets there): "
+                                                                "each producer runs on such a node, this machine or "
+                                                                "another; hf: so it does with address or "
+                                                                "data_parallel_size > 1 set (docs/online-cluster.md)",
+                                                          gt=0)
+    devices: list[str] | None = setting(None, "vllm: the devices of the producers started on this machine; null: "
+                                              "the visible ones")
     tensor_parallel_size: int = setting(1, "vllm: devices per engine", ge=1)
     pipeline_parallel_size: int = setting(1, "vllm: pipeline stages per engine", ge=1)
     data_parallel_size: int = setting(1, "producers side by side, sharing every rank's stream", ge=1)
@@ -137,8 +139,9 @@ class TrainConfig:
                               "tensor/pipeline_parallel_size are online.engine=vllm settings; the hf engine runs "
                               "in the trainer's dtype (float32 on the CPU, else bfloat16), placed by "
                               "online.producer_resources")
-        if o.engine == "vllm" and o.producer_resources:
-            raise ConfigError("online.producer_resources places hf producers on Ray nodes; vLLM producers run on "
-                              "the first trainer rank's machine, on online.devices")
+        if o.producer_resources and o.devices:
+            raise ConfigError("online.devices names this machine's devices for vLLM producers started here; with "
+                              "online.producer_resources Ray places them and gives each the devices it asks for "
+                              "(e.g. {GPU: 2, producer_node: 1}): drop one of the two")
         if self.draft.aux_layer_ids is not None:
             check_layer_ids(self.draft.aux_layer_ids, "draft.aux_layer_ids")

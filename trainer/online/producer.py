@@ -150,8 +150,8 @@ class HFProducers:
         lost = [i for i, run in enumerate(self.runs) if run in ready and "node left" in self._why(i)]
         if not lost or not self.resources:
             return ""
-        return (f" once a node with {_resources_arg(self.resources)} is in the cluster again "
-                f"(`ray start --address={self.address} --resources='{_resources_arg(self.resources)}'` on it)")
+        return (f" once a node with {resources_arg(self.resources)} is in the cluster again "
+                f"(`ray start --address={self.address} --resources='{resources_arg(self.resources)}'` on it)")
 
     def stop(self, grace_s: float = 10.0) -> None:
         """The producers end by themselves once the channel is closed; after `grace_s` seconds they
@@ -173,7 +173,7 @@ def node_line(where: dict, why: str = "") -> str:
     return f"{where['ip']} (host {where['host']}, Ray node {where['node'][:12]}, pid {where['pid']}{why})"
 
 
-def _resources_arg(resources: dict) -> str:
+def resources_arg(resources: dict) -> str:
     return json.dumps({k: (int(v) if float(v).is_integer() else v) for k, v in resources.items()})
 
 
@@ -186,10 +186,10 @@ def check_resources(resources: dict | None, producers: int, address: str) -> Non
     short = {k: v * producers for k, v in resources.items() if have.get(k, 0.0) < v * producers}
     if short:
         raise DraftsmithError(
-            f"online.producer_resources={_resources_arg(resources)}: the Ray cluster at {address} offers "
+            f"online.producer_resources={resources_arg(resources)}: the Ray cluster at {address} offers "
             f"{', '.join(f'{k}={have.get(k, 0.0):g}' for k in short)} for {producers} producer(s) needing "
             f"{', '.join(f'{k}={v:g}' for k, v in short.items())}; start a node with them "
-            f"(`ray start --address={address} --resources='{_resources_arg(resources)}'`) or lower "
+            f"(`ray start --address={address} --resources='{resources_arg(resources)}'`) or lower "
             "online.data_parallel_size")
 
 

@@ -1,7 +1,7 @@
 """An online run's source of states, set up for every trainer rank: the target here (hf), or
 producers joined to the run's Ray channel, started by the first rank: hf producers as Ray actors
 on the nodes `online.producer_resources` picks (trainer/online/producer.py), or vLLM producers
-on this machine (trainer/vllm/online.py); on a local Ray cluster (`online.address` null) or one
+(trainer/vllm/online.py) on this machine, or on those nodes; on a local Ray cluster (`online.address` null) or one
 the user started across machines (`online.address`, docs/online-cluster.md)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from trainer.io import atomic_write_json, cache_root
 from trainer.online.channel import find_channel, join_cluster, open_channel
 from trainer.online.producer import node_line, start_hf_producers
 from trainer.online.sources import CachedSource, ChannelSource, HFSource, Watch
-from trainer.vllm.online import served_dtype, settings_for, start_producers
+from trainer.vllm.online import RemoteProducers, served_dtype, settings_for, start_producers, start_remote_producers
 
 RUN = ".online.json"  # in the run's output folder: the first rank's cluster address and channel, for the others
 LOGS = "online-logs"  # under draftsmith's cache: the producers' logs of a run that failed before its first checkpoint
@@ -71,6 +71,9 @@ def _open(cfg, target, prepared, layer_ids, max_model_len, out, rank, world, bar
         channel = open_channel(name, world, cfg.buffer_tokens)
         if hf:
             producer = start_hf_producers(target, name, layer_ids, cfg, address, cfg.start_timeout_s)
+        elif cfg.producer_resources:  # on the nodes that offer them, this machine or others
+            settings = settings_for(cfg, layer_ids, target.num_layers, max_model_len, dtype)
+            producer = start_remote_producers(target, address, name, settings, work, cfg, cfg.start_timeout_s)
         else:
             settings = settings_for(cfg, layer_ids, target.num_layers, max_model_len, dtype)
             producer = start_producers(target.hf_dir, address, name, settings, work, cfg.data_parallel_size,
@@ -83,6 +86,9 @@ def _open(cfg, target, prepared, layer_ids, max_model_len, out, rank, world, bar
         channel = find_channel(run["channel"])
     if hf and producer is not None:
         watch = Watch(producer.describe, lambda: _todo(out, lambda: None) + producer.todo(), producer.alive)
+    elif isinstance(producer, RemoteProducers):  # a lost node must come back too
+        watch = Watch(producer.describe, lambda: _todo(out, lambda: producer.keep_logs(cache_root() / LOGS / name))
+                      + producer.todo(), producer.alive)
     elif producer is not None:  # the first rank watches them, and keeps their logs if the run's folder goes
         watch = Watch(producer.describe, lambda: _todo(out, lambda: producer.keep_logs(cache_root() / LOGS / name)),
                       producer.alive)
@@ -95,7 +101,10 @@ def _open(cfg, target, prepared, layer_ids, max_model_len, out, rank, world, bar
                    f"resources {cfg.producer_resources or 'any'}")
     else:
         why = "" if cfg.target_dtype else ", its config's"
-        summary = f"; the vLLM producer runs the target in {dtype}{why}"
+        where = (f", {cfg.data_parallel_size} through the Ray cluster at {run['address']} on node "
+                 f"{', '.join(node_line(w) for w in producer.where)}, resources {cfg.producer_resources}"
+                 if isinstance(producer, RemoteProducers) else "")
+        summary = f"; the vLLM producer runs the target in {dtype}{why}{where}"
     return Online(source, producer, channel, work, summary=summary)
 
 

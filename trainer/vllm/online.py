@@ -20,12 +20,17 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import ray
 
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json
+from trainer.online.channel import NAMESPACE, first_line
+from trainer.online.producer import check_resources, node_line, resources_arg
 from trainer.target import TARGET_DTYPES
 from trainer.vllm.env import RUNNERS, engine_devices, log_cause, require_vllm_python, runner_env
 
@@ -140,3 +145,186 @@ def served_dtype(hf_dir: str | Path) -> str:
                                       f"online.target_dtype to one of {', '.join(TARGET_DTYPES)}")
             return name
     return "float32"
+
+
+@ray.remote(max_concurrency=4)  # `start` may take a while; `poll` and `where` answer meanwhile
+class VLLMProducerHost:
+    """One vLLM producer on the node Ray placed this actor on (`online.producer_resources`): the
+    runner started there as the leader of its own process group, its states' files and log in a
+    folder of that node. The runner dies with this actor (its parent: the runner's
+    PR_SET_PDEATHSIG), and Ray ends the actor with its owner, the first trainer rank: a trainer
+    that dies takes the producer's whole group with it, as on one machine."""
+
+    def __init__(self, index: int):
+        self.index, self.proc, self.work = index, None, None
+
+    def where(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {"index": self.index, "node": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "host": os.uname().nodename, "pid": os.getpid()}
+
+    def start(self, target_spec: str, digest: str, address: str, channel: str, settings: dict) -> dict:
+        """The target resolved on this node (the trainer's files, by sha256) and the runner started."""
+        from trainer.target import content_hash, resolve_target, target_hf_dir
+
+        source = resolve_target(target_spec)
+        found = content_hash(source)
+        if found != digest:
+            raise DraftsmithError(f"target '{target_spec}' on node {self.where()['ip']} is not the trainer's (sha256 "
+                                  f"{found[:12]} != {digest[:12]}); give every node the same files")
+        python = require_vllm_python(f"online.engine=vllm on node {self.where()['ip']}")
+        self.work = Path(tempfile.mkdtemp(prefix=f"draftsmith-producer-{self.index}-"))
+        atomic_write_json(self.work / "settings.json", settings)
+        per_engine = settings["tensor_parallel_size"] * settings["pipeline_parallel_size"]
+        gpus = [int(g) for g in ray.get_gpu_ids()] or None  # the devices Ray gave this actor
+        env = runner_env(None, in_process=per_engine == 1, devices=gpus)
+        env["RAY_USAGE_STATS_ENABLED"] = "0"
+        cmd = [python, str(RUNNER), "--address", address, "--channel", channel,
+               "--target", str(target_hf_dir(source, found)), "--settings", str(self.work / "settings.json"),
+               "--staging", str(self.work / "states"), "--trainer-pid", str(os.getpid())]
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return {**self.where(), "pid": self.proc.pid, "host_pid": os.getpid(), "log": str(self.log)}
+
+    @property
+    def log(self) -> Path:
+        return self.work / f"producer-{self.index}.log"
+
+    def poll(self) -> int | None:
+        """The runner's exit code; None while it runs."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def cause(self) -> str:
+        return log_cause(self.log)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.work is not None and self.log.is_file() else ""
+
+    def stop(self, grace_s: float) -> str:
+        """As Producer.stop, on this node; the runner's folder goes, its log's text is returned."""
+        if self.proc is None:
+            return ""
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_group(self.proc.pid)
+        self.proc.wait()
+        text = self.log_text()
+        shutil.rmtree(self.work, ignore_errors=True)
+        return text
+
+
+@dataclass
+class RemoteProducers:
+    """The first rank's handle on vLLM producers placed through Ray (VLLMProducerHost actors):
+    the same questions as Producer's (alive, describe, keep_logs, stop), asked of the actors;
+    their logs are copied into `work` when they stop (the run's `.online/`, as local producers')."""
+
+    hosts: list
+    where: list[dict]
+    work: Path
+    resources: dict
+    address: str
+    kept: Path | None = None
+    ended: dict = field(default_factory=dict)  # index -> why it ended
+
+    def _exit(self, i: int) -> str | None:
+        """Why producer i ended, or None while it runs."""
+        if i in self.ended:
+            return self.ended[i]
+        try:
+            code = ray.get(self.hosts[i].poll.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            node = self.where[i]["node"]
+            gone = not any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+            self.ended[i] = ("its node left the Ray cluster: its raylet died or the machine went" if gone
+                             else "its host actor died")
+            return self.ended[i]
+        except ray.exceptions.GetTimeoutError:
+            return None
+        if code is None:
+            return None
+        try:
+            cause = ray.get(self.hosts[i].cause.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 (the line names what is known)
+            cause = "its log is out of reach"
+        self.ended[i] = f"exit {code}; {cause}"
+        return self.ended[i]
+
+    def alive(self) -> bool:
+        return all(self._exit(i) is None for i in range(len(self.hosts)))
+
+    def _log(self, i: int) -> str:
+        return str(self.kept / f"producer-{i}.log") if self.kept is not None else \
+            f"{self.where[i]['log']} on {self.where[i]['host']}"
+
+    def describe(self) -> str:
+        for i in range(len(self.hosts)):
+            why = self._exit(i)
+            if why is not None:
+                return f"the vLLM producer {i} on node {node_line(self.where[i], why)} (log {self._log(i)})"
+        nodes = ", ".join(node_line(w) for w in self.where)
+        return f"the vLLM producer{'s' if len(self.where) > 1 else ''} on node {nodes} (log {self._log(0)})"
+
+    def todo(self) -> str:
+        lost = [i for i in range(len(self.hosts)) if "node left" in (self._exit(i) or "")]
+        if not lost:
+            return ""
+        return (f" once a node with {resources_arg(self.resources)} is in the cluster again "
+                f"(`ray start --address={self.address} --resources='{resources_arg(self.resources)}'` on it)")
+
+    def keep_logs(self, folder: Path) -> None:
+        """Copy the logs the actors can still give into `folder`, which `describe` then names."""
+        self.kept = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        for i, host in enumerate(self.hosts):
+            try:
+                (folder / f"producer-{i}.log").write_text(ray.get(host.log_text.remote(), timeout=30))
+            except Exception:  # noqa: BLE001 (a lost node's log is lost with it)
+                pass
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        calls = [host.stop.remote(grace_s) for host in self.hosts]
+        for i, call in enumerate(calls):
+            try:
+                (self.work / f"producer-{i}.log").write_text(ray.get(call, timeout=grace_s + 30))
+            except Exception:  # noqa: BLE001 (gone already: nothing of it runs)
+                pass
+        for host in self.hosts:
+            try:
+                ray.kill(host)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.kept is not None:
+            for i in range(len(self.hosts)):
+                if (self.work / f"producer-{i}.log").is_file():
+                    shutil.copyfile(self.work / f"producer-{i}.log", self.kept / f"producer-{i}.log")
+
+
+def start_remote_producers(target, address: str, channel: str, settings: dict, work: Path, online,
+                           start_timeout_s: float) -> RemoteProducers:
+    """`online.data_parallel_size` vLLM producers, each on a node with `online.producer_resources`
+    (GPU among them: the devices Ray gives it), joining the run's channel; returns once each runs."""
+    resources = dict(online.producer_resources)
+    check_resources(resources, online.data_parallel_size, address)
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    work.mkdir(parents=True, exist_ok=True)
+    hosts = [VLLMProducerHost.options(num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
+                                      resources=custom or None, namespace=NAMESPACE).remote(i)
+             for i in range(online.data_parallel_size)]
+    try:
+        where = ray.get([h.start.remote(target.spec, target.content_hash, address, channel, settings)
+                         for h in hosts], timeout=start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for h in hosts:
+            ray.kill(h)
+        raise DraftsmithError(f"online: the vLLM producers were not placed on the Ray cluster at {address} within "
+                              f"{start_timeout_s:g} s (online.start_timeout_s); see `ray status` there") from None
+    except ray.exceptions.RayTaskError as err:
+        for h in hosts:
+            ray.kill(h)
+        raise DraftsmithError(f"online: {first_line(err.cause if err.cause is not None else err)}") from None
+    for w in where:
+        (work / f"producer-{w['index']}.where.json").write_text(json.dumps(w))
+    return RemoteProducers(hosts, where, work, resources, address)
