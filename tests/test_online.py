@@ -320,3 +320,28 @@ def test_an_online_setting_that_cannot_work_is_one_line(setting, expect, tiny_ca
     finally:
         ray.shutdown()  # the local cluster the first rank started
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # two Ray drivers: ~15 s
+def test_a_second_rank_joins_the_cluster_the_first_started(tmp_path):
+    """The first rank starts a Ray cluster here (online.address null), which checks a token (Ray
+    2.60); another rank, not its child, joins it by address with what cluster_auth() shares and
+    finds the first rank's named actor. Without it Ray refuses the join (InvalidAuthToken)."""
+    first = subprocess.Popen([sys.executable, "-c", (
+        "import json, sys, ray; from trainer.online.channel import cluster_auth, join_cluster;\n"
+        "address = join_cluster(None)\n"
+        "@ray.remote\nclass A:\n    def hi(self): return 'hi'\n"
+        "a = A.options(name='draftsmith-join-test', namespace='draftsmith').remote(); ray.get(a.hi.remote())\n"
+        "print(json.dumps({'address': address, 'auth': cluster_auth()}), flush=True); sys.stdin.read()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        shared = first.stdout.readline()
+        second = subprocess.run([sys.executable, "-c", (
+            "import json, sys, ray; from trainer.online.channel import find_channel, join_cluster, use_auth;\n"
+            "run = json.loads(sys.argv[1]); use_auth(run['auth']); join_cluster(run['address'])\n"
+            "print(ray.get(find_channel('draftsmith-join-test', 30).hi.remote()))"), shared],
+            capture_output=True, text=True, cwd=REPO, timeout=120)
+    finally:
+        first.communicate(timeout=60)
+    assert json.loads(shared)["auth"].get("RAY_AUTH_MODE") == "token"  # else this test proves nothing
+    assert second.returncode == 0 and second.stdout.strip().endswith("hi"), second.stderr[-2000:]

@@ -213,3 +213,30 @@ def test_a_trainer_killed_leaves_nothing_of_a_tensor_parallel_producer(data, tmp
     while _running(seen) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _running(seen), [psutil.Process(p).cmdline() for p in _running(seen)]
+
+
+def _launch_ranks(args, ranks: int):
+    """recipes/train.py under `accelerate launch` of `ranks` CPU ranks (DDP over gloo), as a user runs it."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(ranks),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(REPO / "recipes" / "train.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"})
+
+
+@pytest.mark.extended
+def test_two_vllm_producers_feed_two_ranks_as_capture_then_train(data, tmp_path):
+    """online.data_parallel_size=2 vLLM producers sharing the stream of two trainer ranks (DDP,
+    `accelerate launch`): the loss at every logged step is capture-then-train's on the same two
+    ranks, within a vLLM capture's tolerance."""
+    base = [f"target={data / 'target'}", *COMMON]
+    offline = _launch_ranks(["--config", str(TINY / "eagle3.yaml"), f"data={data / 'capture'}",
+                             f"output_dir={tmp_path / 'offline'}", *base], 2)
+    assert offline.returncode == 0, offline.stderr[-3000:]
+    online = _launch_ranks(_args(data, "eagle3", tmp_path / "online", "online.data_parallel_size=2"), 2)
+    assert online.returncode == 0, "\n".join(x for x in online.stderr.splitlines() if "error" in x.lower())[-3000:]
+    reports = [json.loads((tmp_path / d / "train_report.json").read_text()) for d in ("offline", "online")]
+    assert reports[1]["world_size"] == 2
+    theirs, ours = ([h["loss"] for h in r["history"]] for r in reports)
+    assert len(ours) == 6 and ours == pytest.approx(theirs, rel=LOSS_RTOL), (ours, theirs)
+    assert len(list((tmp_path / "online" / ".online").glob("producer-*.log"))) == 2

@@ -30,6 +30,7 @@ import os
 import socket
 import time
 from collections import deque
+from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -187,6 +188,33 @@ def join_cluster(address: str | None) -> str:
         else:
             ray.init(num_cpus=1, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     return ray.get_runtime_context().gcs_address
+
+
+def cluster_auth() -> dict[str, str]:
+    """What another process needs to join the cluster this one joined: Ray's token where the
+    cluster checks one (a cluster `ray.init` starts does, Ray 2.60: RAY_AUTH_MODE=token, its token
+    in ~/.ray/auth_token; a process joining by address sends it only when told to), else {}.
+    As environment variables, which Ray reads (RAY_AUTH_MODE, RAY_AUTH_TOKEN)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return {}
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    if not token:
+        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        token = path.read_text().strip() if path.is_file() else None
+    return {"RAY_AUTH_MODE": "token", **({"RAY_AUTH_TOKEN": token} if token else {})}
+
+
+def use_auth(auth: dict[str, str]) -> None:
+    """Join clusters with `auth` (cluster_auth's, from the first rank) from now on: set in this
+    process's environment, and Ray's cached view of it refreshed, as ray.init does when it turns
+    token auth on for a cluster it starts (Ray 2.60 caches RAY_AUTH_MODE and the token)."""
+    if not auth:
+        return
+    os.environ.update(auth)
+    from ray._raylet import AuthenticationTokenLoader, Config  # Ray's own, as its ray.init calls them
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def open_channel(name: str, ranks: int, capacity_tokens: int):

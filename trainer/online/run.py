@@ -16,7 +16,7 @@ import torch.distributed as dist
 from trainer.data.collate import PreparedSamples
 from trainer.data.shards import bytes_per_token
 from trainer.io import atomic_write_json, cache_root
-from trainer.online.channel import find_channel, join_cluster, open_channel
+from trainer.online.channel import cluster_auth, find_channel, join_cluster, open_channel, use_auth
 from trainer.online.producer import node_line, start_hf_producers
 from trainer.online.sources import CachedSource, ChannelSource, HFSource, Watch
 from trainer.vllm.online import RemoteProducers, served_dtype, settings_for, start_producers, start_remote_producers
@@ -73,15 +73,18 @@ def _open(cfg, target, prepared, layer_ids, max_model_len, out, rank, world, bar
             producer = start_hf_producers(target, name, layer_ids, cfg, address, cfg.start_timeout_s)
         elif cfg.producer_resources:  # on the nodes that offer them, this machine or others
             settings = settings_for(cfg, layer_ids, target.num_layers, max_model_len, dtype)
-            producer = start_remote_producers(target, address, name, settings, work, cfg, cfg.start_timeout_s)
+            producer = start_remote_producers(target, address, name, settings, work, cfg, cfg.start_timeout_s,
+                                              cluster_auth())
         else:
             settings = settings_for(cfg, layer_ids, target.num_layers, max_model_len, dtype)
             producer = start_producers(target.hf_dir, address, name, settings, work, cfg.data_parallel_size,
                                        cfg.devices)
         run = {"address": address, "channel": name}
         atomic_write_json(out / RUN, run)
+        run["auth"] = cluster_auth()  # never on disk
     run = share(run, world, barrier)  # not through the output folder: ranks on other machines may not share it
     if rank != 0:
+        use_auth(run["auth"])  # the cluster rank 0 started checks a token: Ray sends it when told to
         join_cluster(run["address"])
         channel = find_channel(run["channel"])
     if hf and producer is not None:
