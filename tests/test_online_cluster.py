@@ -442,3 +442,50 @@ def test_a_trainer_that_dies_takes_its_vllm_producer_on_another_node_with_it(clu
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
         assert time.monotonic() < deadline, f"the vLLM producer {pids} outlived the trainer"
         time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_the_vllm_producer_node_lost_mid_run_is_one_line_and_the_run_resumes(cluster, smol_prepared, in_process,
+                                                                             tmp_path):
+    """The vLLM producer on the producer node hands out no sample past the 4th (a test fault its
+    host passes on); once the first checkpoint is written the node's raylet is killed: one line naming
+    the node and the `ray start` to run, and with the node back, resume=latest ends as the
+    one-process run does, within a vLLM capture's tolerance."""
+    from tests.conftest import require_vllm
+
+    require_vllm()
+    out = tmp_path / "cut"
+    cmd = _args(smol_prepared, out, f"online.address={cluster.address}", PRODUCER, "online.engine=vllm",
+                "online.target_dtype=float32")
+    proc = subprocess.Popen([sys.executable, str(REPO / "recipes" / "train.py"), *cmd], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # as the hf test: step 1 done, 2 waits
+                            env={**os.environ, **ENV, "DRAFTSMITH_FAULT_PRODUCER_STALL_AFTER_SAMPLES": "4"})
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "checkpoints" / "checkpoint_1").is_dir():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(proc.communicate()[1][-3000:])
+            time.sleep(0.5)
+        time.sleep(2)
+        cluster.raylet("producers").kill()  # the producer node lost
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cluster.stop("producers")
+    assert proc.returncode != 0
+    lines = [x for x in err.replace("\r", "\n").splitlines() if "error:" in x]
+    assert len(lines) == 1, err[-3000:]
+    line = lines[0]
+    print(line)
+    assert "online: the vLLM producer 0 on node " in line and "its node left the Ray cluster" in line, line
+    assert "resume=latest continues from checkpoint_" in line and f"ray start --address={cluster.address}" in line
+    cluster.start("producers", {"producer_node": 2}, cpus=1)
+    r = _launch([*cmd, "resume=latest"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours = {h["step"]: h["loss"] for h in _report(out)["history"]}
+    theirs = {h["step"]: h["loss"] for h in _report(in_process)["history"]}
+    assert max(ours) == 4 and [ours[k] for k in sorted(ours)] == pytest.approx([theirs[k] for k in sorted(ours)],
+                                                                                rel=1e-3), (ours, theirs)

@@ -164,7 +164,7 @@ class VLLMProducerHost:
                 "host": os.uname().nodename, "pid": os.getpid()}
 
     def start(self, target_spec: str, digest: str, address: str, channel: str, settings: dict,
-              auth: dict[str, str]) -> dict:
+              extra_env: dict[str, str]) -> dict:
         """The target resolved on this node (the trainer's files, by sha256) and the runner started."""
         from trainer.target import content_hash, resolve_target, target_hf_dir
 
@@ -179,7 +179,7 @@ class VLLMProducerHost:
         per_engine = settings["tensor_parallel_size"] * settings["pipeline_parallel_size"]
         gpus = [int(g) for g in ray.get_gpu_ids()] or None  # the devices Ray gave this actor
         env = runner_env(None, in_process=per_engine == 1, devices=gpus)
-        env.update(RAY_USAGE_STATS_ENABLED="0", **auth)  # the runner joins the cluster as the trainer did
+        env.update(RAY_USAGE_STATS_ENABLED="0", **extra_env)  # Ray's auth: the runner joins as the trainer did
         cmd = [python, str(RUNNER), "--address", address, "--channel", channel,
                "--target", str(target_hf_dir(source, found)), "--settings", str(self.work / "settings.json"),
                "--staging", str(self.work / "states"), "--trainer-pid", str(os.getpid())]
@@ -306,7 +306,10 @@ class RemoteProducers:
 def start_remote_producers(target, address: str, channel: str, settings: dict, work: Path, online,
                            start_timeout_s: float, auth: dict[str, str]) -> RemoteProducers:
     """`online.data_parallel_size` vLLM producers, each on a node with `online.producer_resources`
-    (GPU among them: the devices Ray gives it), joining the run's channel; returns once each runs."""
+    (GPU among them: the devices Ray gives it), joining the run's channel with Ray's `auth`
+    (cluster_auth); returns once each runs. The trainer's DRAFTSMITH_FAULT_* variables (tests)
+    reach the runners as they reach local ones."""
+    env = {**auth, **{k: v for k, v in os.environ.items() if k.startswith("DRAFTSMITH_FAULT_")}}
     resources = dict(online.producer_resources)
     check_resources(resources, online.data_parallel_size, address)
     custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
@@ -315,7 +318,7 @@ def start_remote_producers(target, address: str, channel: str, settings: dict, w
                                       resources=custom or None, namespace=NAMESPACE).remote(i)
              for i in range(online.data_parallel_size)]
     try:
-        where = ray.get([h.start.remote(target.spec, target.content_hash, address, channel, settings, auth)
+        where = ray.get([h.start.remote(target.spec, target.content_hash, address, channel, settings, env)
                          for h in hosts], timeout=start_timeout_s)
     except ray.exceptions.GetTimeoutError:
         for h in hosts:

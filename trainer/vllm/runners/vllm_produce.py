@@ -106,6 +106,7 @@ def main() -> None:
 
     report()
     chunk, n = max(4 * settings["concurrency"], 8), 0
+    stall_after = int(os.environ.get("DRAFTSMITH_FAULT_PRODUCER_STALL_AFTER_SAMPLES", "0"))
     try:
         while trainer_alive():
             t2 = time.perf_counter()
@@ -120,7 +121,11 @@ def main() -> None:
             t1 = time.perf_counter()
             samples = engine.states([torch.tensor(r[4]) for r in requests], f"chunk{n}")
             stats["compute_s"] += time.perf_counter() - t1
+            stalled = False
             for (rank, epoch, seq, index, _), sample in zip(requests, samples):
+                if 0 < stall_after <= seq and epoch == 0:
+                    stalled = True  # tests: no sample at this position of the first epoch's plan or later
+                    continue
                 item = {**encode(sample), "seq": seq, "index": index}
                 tokens = int(sample["input_ids"].numel())
                 if ray.get(channel.deliver.remote(rank, epoch, seq, item, tokens)) is None:
@@ -130,8 +135,8 @@ def main() -> None:
             if 0 < int(os.environ.get("DRAFTSMITH_FAULT_PRODUCER_AFTER_CHUNKS", "0")) <= n:
                 os._exit(17)  # tests: a producer that dies mid-run
             stall = float(os.environ.get("DRAFTSMITH_FAULT_PRODUCER_STALL_S", "0"))
-            if stall and n == 1:
-                time.sleep(stall)  # tests: a producer that stalls
+            if stall and n == 1 or stalled:
+                time.sleep(stall or 3600)  # tests: a producer that stalls (its node is then taken away)
     except ray.exceptions.RayActorError:
         pass  # the channel went with its trainer: nothing is left to produce for
     print(json.dumps({"producer": "stopped", **stats}), file=sys.stderr, flush=True)
