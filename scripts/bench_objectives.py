@@ -94,7 +94,8 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=50000)
     ap.add_argument("--losses", default="fkl,tv,lk,lk_hybrid,jsd,rkl")
     ap.add_argument("--optimizers", default="adamw,muon")
-    ap.add_argument("--cells", default="", help="loss-optimizer pairs in this order, instead of the grid")
+    ap.add_argument("--cells", action="append", default=[],
+                    help="LOSS-OPTIMIZER[@RATE] cells in this order, comma-separated (repeatable), instead of the grid")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--group", type=int, default=1, help="prompts decoded together (the spread is over groups)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -108,7 +109,7 @@ def main() -> None:
     n, tokens = budget_samples(cap, args.budget)
     tok = load_target("smollm2-135m-instruct", head_only=True).tokenizer
     prompts = {ds: chat_prompt_ids(tok, load_prompts(ds, args.prompts)) for ds in DATASETS}
-    cells = (args.cells.split(",") if args.cells else
+    cells = ([c for group in args.cells for c in group.split(",")] if args.cells else
              [f"{loss}-{opt}" for opt in args.optimizers.split(",") for loss in args.losses.split(",")])
     rows = []
     for cell in cells:
