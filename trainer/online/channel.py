@@ -33,6 +33,7 @@ from collections import deque
 from pathlib import Path
 
 import ray
+from ray._raylet import AuthenticationTokenLoader, Config  # what ray.init calls to turn token auth on
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from trainer.errors import DraftsmithError
@@ -211,8 +212,6 @@ def use_auth(auth: dict[str, str]) -> None:
     if not auth:
         return
     os.environ.update(auth)
-    from ray._raylet import AuthenticationTokenLoader, Config  # Ray's own, as its ray.init calls them
-
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
 

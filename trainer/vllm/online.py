@@ -31,7 +31,7 @@ from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json
 from trainer.online.channel import NAMESPACE, first_line
 from trainer.online.producer import check_resources, node_line, resources_arg
-from trainer.target import TARGET_DTYPES
+from trainer.target import TARGET_DTYPES, content_hash, resolve_target, target_hf_dir
 from trainer.vllm.env import RUNNERS, engine_devices, log_cause, require_vllm_python, runner_env
 
 RUNNER = RUNNERS / "vllm_produce.py"
@@ -166,8 +166,6 @@ class VLLMProducerHost:
     def start(self, target_spec: str, digest: str, address: str, channel: str, settings: dict,
               extra_env: dict[str, str]) -> dict:
         """The target resolved on this node (the trainer's files, by sha256) and the runner started."""
-        from trainer.target import content_hash, resolve_target, target_hf_dir
-
         source = resolve_target(target_spec)
         found = content_hash(source)
         if found != digest:
