@@ -421,7 +421,7 @@ def test_a_vllm_producer_on_the_producer_node_trains_as_the_target_in_process(cl
     nodes = cluster.node_ids()
     where = json.loads((out / ".online" / "producer-0.where.json").read_text())
     assert where["node"] == nodes["producer_node"] != nodes["trainer_node"], (where, nodes)
-    assert "the vLLM producer runs the target in float32, 1 through the Ray cluster at " \
+    assert "the vLLM producer runs the target in float32; 1 vLLM producer(s) through the Ray cluster at " \
         f"{cluster.address} on node " in r.stderr, r.stderr[-3000:]
     assert "vLLM" in (out / ".online" / "producer-0.log").read_text()
     assert not psutil.pid_exists(where["pid"]) or psutil.Process(where["pid"]).status() == psutil.STATUS_ZOMBIE

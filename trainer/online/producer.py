@@ -36,15 +36,42 @@ STALL_AFTER_SAMPLES = "DRAFTSMITH_FAULT_PRODUCER_STALL_AFTER_SAMPLES"
 CHUNK = 8  # requests a producer takes from the channel at once (each rank's buffer bounds them)
 
 
+NODE_LEFT = "its node left the Ray cluster: its raylet died or the machine went"
+
+
+def actor_where(index: int) -> dict:
+    """Where the calling Ray actor runs, for lines that name it: its index, node, IP, host and pid."""
+    ctx = ray.get_runtime_context()
+    return {"index": index, "node": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
+            "host": os.uname().nodename, "pid": os.getpid()}
+
+
+def check_same_target(spec: str, found: str, digest: str, ip: str) -> None:
+    """One line unless the target a producer resolved on its node (sha256 `found`) is the trainer's."""
+    if found != digest:
+        raise DraftsmithError(f"target '{spec}' on node {ip} is not the trainer's (sha256 {found[:12]} != "
+                              f"{digest[:12]}); give every node the same files")
+
+
+def actor_lost(node: str, err: Exception) -> str:
+    """Why an actor on `node` is gone: its node left the cluster, or it died on a live node."""
+    gone = not any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+    return NODE_LEFT if gone else f"its actor died: {first_line(err)}"
+
+
+def node_back(resources: dict, address: str) -> str:
+    """What to do beyond resuming when a producer's node is lost: bring one with its resources back."""
+    return (f" once a node with {resources_arg(resources)} is in the cluster again "
+            f"(`ray start --address={address} --resources='{resources_arg(resources)}'` on it)")
+
+
 @ray.remote(max_concurrency=2)  # `run` and a `where` while it runs
 class HFProducer:
     def __init__(self, index: int):
         self.index = index
 
     def where(self) -> dict:
-        ctx = ray.get_runtime_context()
-        return {"index": self.index, "node": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "host": os.uname().nodename, "pid": os.getpid()}
+        return actor_where(self.index)
 
     def run(self, channel_name: str, target: str, digest: str, layer_ids: list[int], store_dtype: str,
             max_tokens: int, stall_after: int = 0) -> dict:
@@ -52,9 +79,7 @@ class HFProducer:
         t0 = time.perf_counter()
         on_gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         model = load_target(target, "bfloat16" if on_gpu else "float32", "cuda" if on_gpu else "cpu")
-        if model.content_hash != digest:
-            raise DraftsmithError(f"target '{target}' on node {self.where()['ip']} is not the trainer's (sha256 "
-                                  f"{model.content_hash[:12]} != {digest[:12]}); give every node the same files")
+        check_same_target(target, model.content_hash, digest, self.where()["ip"])
         pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
         channel = ray.get_actor(channel_name, namespace=NAMESPACE)
         stats = {"engine": "hf", "engine_start_s": time.perf_counter() - t0, "tokens": 0, "samples": 0,
@@ -126,10 +151,7 @@ class HFProducers:
                 ray.get(self.runs[i], timeout=5)
                 self.ended[i] = "it stopped"
             except ray.exceptions.RayActorError as err:
-                node = self.where[i]["node"]
-                gone = not any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
-                self.ended[i] = ("its node left the Ray cluster: its raylet died or the machine went" if gone
-                                 else f"its actor died: {first_line(err)}")
+                self.ended[i] = actor_lost(self.where[i]["node"], err)
             except ray.exceptions.RayTaskError as err:
                 self.ended[i] = first_line(err.cause if err.cause is not None else err)
             except Exception as err:  # noqa: BLE001 (one line, whatever Ray raised)
@@ -147,11 +169,8 @@ class HFProducers:
     def todo(self) -> str:
         """What to do beyond resuming: a node lost must come back (or another with the resources join)."""
         ready, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
-        lost = [i for i, run in enumerate(self.runs) if run in ready and "node left" in self._why(i)]
-        if not lost or not self.resources:
-            return ""
-        return (f" once a node with {resources_arg(self.resources)} is in the cluster again "
-                f"(`ray start --address={self.address} --resources='{resources_arg(self.resources)}'` on it)")
+        lost = [i for i, run in enumerate(self.runs) if run in ready and self._why(i) == NODE_LEFT]
+        return node_back(self.resources, self.address) if lost and self.resources else ""
 
     def stop(self, grace_s: float = 10.0) -> None:
         """The producers end by themselves once the channel is closed; after `grace_s` seconds they

@@ -89,12 +89,9 @@ def _open(cfg, target, prepared, layer_ids, max_model_len, out, rank, world, bar
         channel = find_channel(run["channel"])
     if hf and producer is not None:
         watch = Watch(producer.describe, lambda: _todo(out, lambda: None) + producer.todo(), producer.alive)
-    elif isinstance(producer, RemoteProducers):  # a lost node must come back too
+    elif producer is not None:  # the first rank watches them, and keeps their logs if the run's folder goes
         watch = Watch(producer.describe, lambda: _todo(out, lambda: producer.keep_logs(cache_root() / LOGS / name))
                       + producer.todo(), producer.alive)
-    elif producer is not None:  # the first rank watches them, and keeps their logs if the run's folder goes
-        watch = Watch(producer.describe, lambda: _todo(out, lambda: producer.keep_logs(cache_root() / LOGS / name)),
-                      producer.alive)
     else:
         watch = Watch(lambda: f"the producer of channel {run['channel']}", lambda: _todo(out, lambda: None))
     source = ChannelSource(channel, rank, prepared, cfg.buffer_tokens, cfg.timeout_s, cfg.start_timeout_s, watch)
@@ -104,7 +101,7 @@ def _open(cfg, target, prepared, layer_ids, max_model_len, out, rank, world, bar
                    f"resources {cfg.producer_resources or 'any'}")
     else:
         why = "" if cfg.target_dtype else ", its config's"
-        where = (f", {cfg.data_parallel_size} through the Ray cluster at {run['address']} on node "
+        where = (f"; {cfg.data_parallel_size} vLLM producer(s) through the Ray cluster at {run['address']} on node "
                  f"{', '.join(node_line(w) for w in producer.where)}, resources {cfg.producer_resources}"
                  if isinstance(producer, RemoteProducers) else "")
         summary = f"; the vLLM producer runs the target in {dtype}{why}{where}"

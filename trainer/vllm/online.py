@@ -30,7 +30,15 @@ import ray
 from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json
 from trainer.online.channel import NAMESPACE, first_line
-from trainer.online.producer import check_resources, node_line, resources_arg
+from trainer.online.producer import (
+    NODE_LEFT,
+    actor_lost,
+    actor_where,
+    check_resources,
+    check_same_target,
+    node_back,
+    node_line,
+)
 from trainer.target import TARGET_DTYPES, content_hash, resolve_target, target_hf_dir
 from trainer.vllm.env import RUNNERS, engine_devices, log_cause, require_vllm_python, runner_env
 
@@ -54,6 +62,10 @@ class Producer:
             p, log, kept = dead[0]
             return f"the vLLM producer (pid {p.pid}, exit {p.returncode}; log {kept}; {log_cause(log)})"
         return f"the vLLM producer (pid {', '.join(str(p.pid) for p in self.procs)}; log {logs[0]})"
+
+    def todo(self) -> str:
+        """Nothing beyond resuming: these run on this machine."""
+        return ""
 
     def keep_logs(self, folder: Path) -> None:
         """Copy the logs into `folder` (again after `stop`: what they say last), which `describe` then names:
@@ -159,18 +171,14 @@ class VLLMProducerHost:
         self.index, self.proc, self.work = index, None, None
 
     def where(self) -> dict:
-        ctx = ray.get_runtime_context()
-        return {"index": self.index, "node": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "host": os.uname().nodename, "pid": os.getpid()}
+        return actor_where(self.index)
 
     def start(self, target_spec: str, digest: str, address: str, channel: str, settings: dict,
               extra_env: dict[str, str]) -> dict:
         """The target resolved on this node (the trainer's files, by sha256) and the runner started."""
         source = resolve_target(target_spec)
         found = content_hash(source)
-        if found != digest:
-            raise DraftsmithError(f"target '{target_spec}' on node {self.where()['ip']} is not the trainer's (sha256 "
-                                  f"{found[:12]} != {digest[:12]}); give every node the same files")
+        check_same_target(target_spec, found, digest, self.where()["ip"])
         python = require_vllm_python(f"online.engine=vllm on node {self.where()['ip']}")
         self.work = Path(tempfile.mkdtemp(prefix=f"draftsmith-producer-{self.index}-"))
         atomic_write_json(self.work / "settings.json", settings)
@@ -234,11 +242,8 @@ class RemoteProducers:
             return self.ended[i]
         try:
             code = ray.get(self.hosts[i].poll.remote(), timeout=30)
-        except ray.exceptions.RayActorError:
-            node = self.where[i]["node"]
-            gone = not any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
-            self.ended[i] = ("its node left the Ray cluster: its raylet died or the machine went" if gone
-                             else "its host actor died")
+        except ray.exceptions.RayActorError as err:
+            self.ended[i] = actor_lost(self.where[i]["node"], err)
             return self.ended[i]
         except ray.exceptions.GetTimeoutError:
             return None
@@ -267,11 +272,8 @@ class RemoteProducers:
         return f"the vLLM producer{'s' if len(self.where) > 1 else ''} on node {nodes} (log {self._log(0)})"
 
     def todo(self) -> str:
-        lost = [i for i in range(len(self.hosts)) if "node left" in (self._exit(i) or "")]
-        if not lost:
-            return ""
-        return (f" once a node with {resources_arg(self.resources)} is in the cluster again "
-                f"(`ray start --address={self.address} --resources='{resources_arg(self.resources)}'` on it)")
+        lost = [i for i in range(len(self.hosts)) if self._exit(i) == NODE_LEFT]
+        return node_back(self.resources, self.address) if lost else ""
 
     def keep_logs(self, folder: Path) -> None:
         """Copy the logs the actors can still give into `folder`, which `describe` then names."""
