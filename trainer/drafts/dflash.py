@@ -42,7 +42,7 @@ from torch import nn
 
 from trainer import losses
 from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
-from trainer.drafts.shape import TargetShape, check_objective, to_draft_ids
+from trainer.drafts.shape import TargetShape, check_objective, lk_eta_setting, loss_chunk_rows_setting, to_draft_ids
 from trainer.errors import ConfigError, DataError
 from trainer.losses import parse_objective
 from trainer.metrics import StepMetrics
@@ -81,10 +81,8 @@ class DFlashConfig(TargetShape):
     loss: str = setting("ce", "the objective per slot: trainer/losses.py's, one (tv) or weighted (ce:0.1,tv:0.9); "
                               "ce (the recipe's) trains toward labels' token, the others toward the target's "
                               "distribution there")
-    lk_eta: float = setting(3.0, "lk_hybrid's η: λ = exp(-η α)", gt=0)
-    loss_chunk_rows: int = setting(1024, "rows ([Vd] logits) of the loss alive at once; more are computed in "
-                                         "chunks recomputed in backward (at Qwen3-8B's 151,936 tokens, 512 anchors x "
-                                         "15 slots of fp32 logits are 4.7 GB unchunked); 0: one pass", ge=0)
+    lk_eta: float = lk_eta_setting()
+    loss_chunk_rows: int = loss_chunk_rows_setting()
     sliding_window: int | None = setting(None, "sliding-window attention: in the windowed layers the query at "
                                                "position t attends only the keys at positions j with |t - j| < "
                                                "sliding_window, in training, in the in-tree decoder and in vLLM "

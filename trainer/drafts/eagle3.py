@@ -31,7 +31,7 @@ from torch import nn
 
 from trainer import losses
 from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
-from trainer.drafts.shape import TargetShape, check_objective, to_draft_ids
+from trainer.drafts.shape import TargetShape, check_objective, lk_eta_setting, loss_chunk_rows_setting, to_draft_ids
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
 from trainer.settings import setting
@@ -81,10 +81,8 @@ class Eagle3Config(TargetShape):
     loss: str = setting("fkl", "the objective per position: trainer/losses.py's, one (tv) or weighted "
                                "(fkl:0.5,tv:0.5); fkl: the reference's soft cross-entropy against the target's "
                                "distribution; ce: against its greedy token")
-    lk_eta: float = setting(3.0, "lk_hybrid's η: λ = exp(-η α)", gt=0)
-    loss_chunk_rows: int = setting(1024, "supervised rows whose [rows, Vd] logits, log-probabilities and target "
-                                         "distribution are alive at once, recomputed in backward when they split "
-                                         "(long samples in bounded memory); 0: one pass", ge=0)
+    lk_eta: float = lk_eta_setting()
+    loss_chunk_rows: int = loss_chunk_rows_setting()
     attention_chunk: int = setting(1024, "queries of the training-time-test attention (steps >= 1) scored at once, "
                                          "recomputed in backward when they split: its [heads, T, T] scores grow with "
                                          "the square of the sample; 0: one pass", ge=0)

@@ -41,6 +41,20 @@ def check_objective(text: str, eta: float, extra: tuple[str, ...] = ()) -> None:
         raise ConfigError(f"draft.lk_eta={eta} must be > 0 (lk_hybrid's λ = exp(-lk_eta α))")
 
 
+def lk_eta_setting():
+    """`draft.lk_eta`, declared once for every algorithm's Config (the field keeps its place in each)."""
+    return setting(3.0, "lk_hybrid's η: λ = exp(-η α)", gt=0)
+
+
+def loss_chunk_rows_setting():
+    """`draft.loss_chunk_rows`, declared once for every algorithm's Config (trainer/losses.py's
+    in_row_chunks)."""
+    return setting(1024, "rows of the loss ([rows, Vd] logits, log-probabilities and target distribution) alive at "
+                         "once; more are computed in chunks recomputed in backward (long samples and large "
+                         "vocabularies in bounded memory: at Qwen3-8B's 151,936 tokens, DFlash's 512 anchors x 15 "
+                         "slots of fp32 logits are 4.7 GB unchunked); 0: one pass", ge=0)
+
+
 def to_draft_ids(draft, target_ids: torch.Tensor) -> torch.Tensor:
     """Target ids -> draft-vocabulary ids, -1 where the reduced vocabulary lacks the token
     (no loss there: it cannot be predicted); unchanged with the target's full head."""
