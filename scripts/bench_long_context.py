@@ -7,8 +7,8 @@ without a sliding window) keep it?
 
 1. Data: the first --records packaged ShareGPT records prepared twice, "short" (max_length 1024, the
    recipes' usual cut) and "long" (max_length 8192, SmolLM2-135M's context: a longer conversation is
-   skipped, never cut), each captured once (transformers engine, bfloat16, the algorithm's layers, an
-   8,192-token draft vocabulary).
+   skipped, never cut), each captured once as far as the budget reads (transformers engine,
+   bfloat16, the algorithm's layers, an 8,192-token draft vocabulary).
 2. Train the SmolLM2 recipe's draft (recipes/configs/smollm2-135m/{algorithm}.yaml) one epoch over the
    first samples of a capture reaching --budget tokens, batch 1, three ways: short; long; long with
    draft.sliding_window=--window on every layer (DFlash and DSpark only: draftsmith's EAGLE-3 trains
@@ -36,14 +36,29 @@ PY = str(REPO / ".venv" / "bin" / "python")
 LENGTHS = {"short": 1024, "long": 8192}
 
 
-def capture(out: Path, name: str, records: int, algorithm: str) -> Path:
+def needed(prepared: Path, budget: int) -> int:
+    """The fewest first prepared samples whose tokens reach `budget`: all the training reads (the
+    capture keeps the prepared order), so the capture stops there instead of taking hours on the rest."""
+    from trainer.data.prepared import load_prepared
+
+    ds = load_prepared(prepared)[0]
+    tokens = 0
+    for n, ids in enumerate(ds["input_ids"], 1):
+        tokens += len(ids)
+        if tokens >= budget:
+            return n
+    return len(ds)
+
+
+def capture(out: Path, name: str, records: int, algorithm: str, budget: int) -> Path:
     prepared, cap = out / f"prepared-{name}", out / f"capture-{name}"
     if not (prepared / "summary.json").is_file():
         run([PY, "recipes/prepare.py", f"output_dir={prepared}", "source=sharegpt", f"max_records={records}",
              f"max_length={LENGTHS[name]}"], f"prepare {name}")
     if not (cap / "manifest.json").is_file():
         run([PY, "recipes/capture.py", f"data={prepared}", f"output_dir={cap}", f"drafts=[{algorithm}]",
-             "draft_vocab_size=8192", "store_dtype=bfloat16"], f"capture {name}")
+             "draft_vocab_size=8192", "store_dtype=bfloat16", f"max_samples={needed(prepared, budget)}"],
+            f"capture {name}")
     return cap
 
 
@@ -77,7 +92,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    caps = {name: capture(out, name, args.records, args.algorithm) for name in LENGTHS}
+    caps = {name: capture(out, name, args.records, args.algorithm, args.budget) for name in LENGTHS}
     ways = [("short", "short", []), ("long", "long", [])]
     if args.algorithm != "eagle3":
         ways.append((f"long-window{args.window}", "long", [f"draft.sliding_window={args.window}"]))
