@@ -69,6 +69,24 @@ def test_smollm2_embedded_target_loads_from_the_package(smollm2):
     assert resolve_target("smollm2-135m-instruct").kind == "gguf"
 
 
+@pytest.mark.slow
+def test_a_gguf_targets_license_is_its_own_read_once_at_conversion(smollm2, tmp_path):
+    """The license a GGUF target carries (its `general.license`) is what its conversion recorded
+    (read again only where no record of this very file is there: parsing the GGUF's metadata
+    costs ~20 s for Gemma-3's 262k tokens, once per stage otherwise)."""
+    import json
+
+    from trainer.target import converted_license, read_license
+
+    source = resolve_target("smollm2-135m-instruct")
+    assert smollm2.license == read_license(source) == "apache-2.0"
+    record = {"sha256": smollm2.content_hash, "license": "recorded-1.0"}
+    (tmp_path / "draftsmith_source.json").write_text(json.dumps(record))
+    assert converted_license(source, tmp_path, smollm2.content_hash) == "recorded-1.0"  # read from the record
+    (tmp_path / "draftsmith_source.json").write_text(json.dumps({**record, "sha256": "0" * 64}))
+    assert converted_license(source, tmp_path, smollm2.content_hash) == "apache-2.0"  # another file's: not trusted
+
+
 def test_a_target_given_by_a_relative_path_is_recorded_absolute(tiny_target_dir, monkeypatch):
     """A draft records the target it was loaded by: a relative path would not be found by a
     later stage run from another folder."""

@@ -170,6 +170,20 @@ def read_license(source: TargetSource) -> str | None:
     return None
 
 
+def converted_license(source: TargetSource, hf_dir: Path, digest: str) -> str | None:
+    """read_license, from what a GGUF's conversion recorded where it did (draftsmith_source.json):
+    reading a GGUF's metadata parses its whole token list (Gemma-3's 262,144 tokens: ~20 s on a CPU),
+    which every stage that loads the target would otherwise pay again."""
+    if source.kind == "gguf":
+        try:
+            recorded = json.loads((hf_dir / "draftsmith_source.json").read_text())
+        except (OSError, ValueError):
+            recorded = None
+        if isinstance(recorded, dict) and "license" in recorded and recorded.get("sha256") == digest:
+            return recorded["license"]
+    return read_license(source)
+
+
 def gguf_to_hf_dir(source: TargetSource, digest: str) -> Path:
     """Convert a GGUF target once (dequantized to fp32) into the cache and reuse it.
 
@@ -454,7 +468,7 @@ def load_target(spec: str | TargetSource, dtype: str = "float32", device: str | 
     except (OSError, ValueError) as err:
         raise TargetError(f"target '{spec}' ({hf_dir}) failed to load: {str(err).splitlines()[0]}") from None
     target = Target(model, tokenizer, name=source.name, path=str(source.path), digest=digest, hf_dir=str(hf_dir))
-    target.license = read_license(source)
+    target.license = converted_license(source, Path(hf_dir), digest)
     target.spec = source.spec
     if not target.head_only:
         check_logits(target, str(spec))
