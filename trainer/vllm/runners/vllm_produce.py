@@ -16,7 +16,8 @@ It stops when the channel closes, when the channel is gone (the trainer died: Ra
 the actor with its owner), or when `--trainer-pid` no longer runs. Started by the trainer as the
 leader of its own process group (vLLM's engine core and workers join it), it ends the whole
 group when it gets SIGTERM, which on Linux the kernel sends it when the trainer that started it
-goes (PR_SET_PDEATHSIG, asked for here, first thing): nothing it started outlives the trainer.
+goes (PR_SET_PDEATHSIG, asked for here, first thing); and a reaper it starts in the group kills
+the group once the producer is gone by any means: nothing it started outlives the trainer.
 settings.json: the StatesEngine settings (draftsmith_states.py) plus "ranks". Imports vllm, torch, safetensors,
 ray, the standard library and draftsmith's shard writer and wire format (trainer/data/shards.py,
 trainer/data/wire.py), found beside this folder.
@@ -29,6 +30,7 @@ import ctypes
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,6 +60,25 @@ def die_with_trainer(trainer_pid: int | None) -> None:
         end_group()
 
 
+# The reaper: blocks on a pipe whose only writer is the producer; at EOF (the producer gone, by
+# whatever means) it kills the process group, itself included.
+REAPER = "import os, signal, sys; os.read(int(sys.argv[1]), 1); os.killpg(os.getpgrp(), signal.SIGKILL)"
+
+
+def reap_group_after_me() -> None:
+    """Leading a process group: start a reaper in it that kills the group once this process is
+    gone. The SIGTERM handler (end_group) covers the trainer's death only while it runs: Ray's
+    core worker may end this process first (_exit, when the trainer's Ray instance goes), which
+    left vLLM's engine core and workers running. The pipe's write end is not inheritable, so
+    nothing vLLM starts holds it open."""
+    if os.getpgrp() != os.getpid():
+        return
+    r, w = os.pipe()
+    subprocess.Popen([sys.executable, "-c", REAPER, str(r)], pass_fds=(r,), stdin=subprocess.DEVNULL)
+    os.close(r)
+    reap_group_after_me.keep = w  # open until this process ends
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--address", required=True)
@@ -68,6 +89,7 @@ def main() -> None:
     ap.add_argument("--trainer-pid", type=int, default=None)
     args = ap.parse_args()
     die_with_trainer(args.trainer_pid)
+    reap_group_after_me()
     with open(args.settings) as f:
         settings = json.load(f)
     beside_draftsmith()  # the connector and the states engine; draftsmith's shard writer and wire format
