@@ -60,10 +60,10 @@ def tokenize(kept: list[dict], tokenizer, max_length: int, chat_template: str, n
         return Dataset.from_dict({"index": [], "input_ids": [], "loss_mask": [], "length": []}), []
     ds = Dataset.from_list(kept)
     # One worker is this process (datasets' num_proc=1 starts a pool of one and ships it the
-    # tokenizer: 11 s here). The map's fingerprint given, not derived: datasets would hash its arguments with dill, the
-    # tokenizer's whole vocabulary among them (31 s of a 60-record prepare for Gemma-3's 262k
-    # tokens). It names a cache entry only (this dataset lives in memory; the Arrow files written,
-    # what summary.json's digest covers, do not depend on it).
+    # tokenizer: 11 s here). The map's fingerprint is given, not derived: datasets would hash its
+    # arguments with dill, the tokenizer's whole vocabulary among them (31 s of a 60-record prepare
+    # for Gemma-3's 262k tokens). It names a cache entry only (this dataset lives in memory; the
+    # Arrow files written, what summary.json's digest covers, do not depend on it).
     what = json.dumps([kept, max_length, chat_template, tokenizer.name_or_path, len(tokenizer)], sort_keys=True)
     ds = ds.map(_tokenize_batch, batched=True, num_proc=num_proc if 1 < num_proc < len(ds) else None,
                 fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "chat_template": chat_template},
