@@ -86,7 +86,7 @@ def _job(pipeline, smollm2, name, draft=None, dtype="float32", logprobs=0, promp
 
 
 # The FP8 drafts run in bf16 (vLLM's quark loader needs a bf16/fp16 model). On a CPU their layers'
-# GEMM is torch._scaled_mm, 100-1500x slower than dequantize-and-multiply here and linear in the
+# GEMM is torch._scaled_mm, 3-1,500x slower than dequantize-and-multiply here, growing with the
 # tokens (scripts/bench_fp8_matmul.py): they decode one prompt, the shortest (its prefill passes
 # the draft too), 16 tokens (over 5 rounds), as does the bf16 target they are compared with.
 FP8_NEW = 16
