@@ -4,6 +4,7 @@ without a sliding window) keep it?
 
     .venv/bin/python scripts/bench_long_context.py --out runs/long-context [--records 3000] [--budget 200000]
         [--algorithm dflash] [--window 512] [--buckets 1024,2048,4096,8192] [--prompts 8] [--max-new-tokens 32]
+        [--anchors per-token|per-sample]
 
 1. Data: the first --records packaged ShareGPT records prepared twice, "short" (max_length 1024, the
    recipes' usual cut) and "long" (max_length 8192, SmolLM2-135M's context: a longer conversation is
@@ -12,7 +13,11 @@ without a sliding window) keep it?
 2. Train the SmolLM2 recipe's draft (recipes/configs/smollm2-135m/{algorithm}.yaml) one epoch over the
    first samples of a capture reaching --budget tokens, batch 1, three ways: short; long; long with
    draft.sliding_window=--window on every layer (DFlash and DSpark only: draftsmith's EAGLE-3 trains
-   full attention, so its third way is left out).
+   full attention, so its third way is left out). DFlash and DSpark train on `draft.num_anchors`
+   blocks per sample: with --anchors per-token (the default) each way's num_anchors is scaled so that
+   it trains as many blocks per answer token as the short way does at the recipe's num_anchors (a
+   long sample otherwise gets as many blocks as a short one: fewer per token, a confound); with
+   per-sample every way keeps the recipe's.
 3. Measure: `draftsmith eval --context-buckets` (in-tree; its counts are vLLM's, tests/test_vllm.py),
    greedy, at the draft's trained N, --prompts prompts per bucket built to that length (documents
    and a question: trainer/data/buckets.py), the same prompts for every draft.
@@ -62,6 +67,41 @@ def capture(out: Path, name: str, records: int, algorithm: str, budget: int) -> 
     return cap
 
 
+def anchor_positions(prepared: Path, n: int) -> list[int]:
+    """Per sample, the positions an anchor may take (p and p+1 both answer tokens, as
+    trainer/drafts/dflash.py's sample_anchors allows), over the first n prepared samples."""
+    import torch
+
+    from trainer.data.prepared import load_prepared
+
+    counts = []
+    for mask in load_prepared(prepared)[0].select(range(n))["loss_mask"]:
+        m = torch.tensor(mask, dtype=torch.bool)
+        counts.append(int((m[:-1] & m[1:]).sum()))
+    return counts
+
+
+def blocks_per_position(counts: list[int], num_anchors: int) -> float:
+    """The blocks trained per anchor position at batch 1: each sample takes min(num_anchors, its positions)."""
+    return sum(min(num_anchors, c) for c in counts) / max(sum(counts), 1)
+
+
+def matching_anchors(counts: list[int], density: float) -> int:
+    """The fewest num_anchors whose blocks per anchor position reach `density` on these samples."""
+    lo, hi = 1, max(counts + [1])
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if blocks_per_position(counts, mid) >= density else (mid + 1, hi)
+    return lo
+
+
+def recipe_anchors(algorithm: str) -> int:
+    from trainer.config import TrainConfig, load_config
+
+    cfg = load_config(TrainConfig, REPO / f"recipes/configs/smollm2-135m/{algorithm}.yaml", [])
+    return cfg.draft.num_anchors
+
+
 def train(cap: Path, out: Path, algorithm: str, n: int, max_length: int, extra: list[str]) -> None:
     if (out / "train_report.json").is_file():
         return
@@ -89,6 +129,9 @@ def main() -> None:
     ap.add_argument("--buckets", default="1024,2048,4096,8192")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per bucket")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--anchors", default="per-token", choices=("per-token", "per-sample"),
+                    help="DFlash/DSpark blocks: as many per answer token in every way (the short way's density "
+                         "at the recipe's num_anchors), or the recipe's num_anchors per sample")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -97,25 +140,36 @@ def main() -> None:
     if args.algorithm != "eagle3":
         ways.append((f"long-window{args.window}", "long", [f"draft.sliding_window={args.window}"]))
     rows = []
+    scaled = args.algorithm != "eagle3" and args.anchors == "per-token"
+    if scaled:
+        base = recipe_anchors(args.algorithm)
+        short_n = budget_samples(caps["short"], args.budget, LENGTHS["short"])[0]
+        density = blocks_per_position(anchor_positions(out / "prepared-short", short_n), base)
     for way, data, extra in ways:
         n, tokens = budget_samples(caps[data], args.budget, LENGTHS[data])
+        anchors = None
+        if scaled:
+            anchors = matching_anchors(anchor_positions(out / f"prepared-{data}", n), density)
+            extra = [*extra, f"draft.num_anchors={anchors}"]
         d = out / f"{args.algorithm}-{way}"
         train(caps[data], d, args.algorithm, n, LENGTHS[data], extra)
         r = measure(d, out / f"eval-{way}", args.buckets, args.prompts, args.max_new_tokens)
         by = {b["context"]: b for b in r["context_buckets"]}
-        rows.append({"way": way, "samples": n, "tokens": tokens,
+        rows.append({"way": way, "samples": n, "tokens": tokens, "num_anchors": anchors,
                      "tau": {L: by[L]["tau"] for L in by}, "rounds": {L: by[L]["counts"]["num_drafts"] for L in by}})
         print(json.dumps(rows[-1]), flush=True)
         (out / "results.json").write_text(json.dumps(rows, indent=1))
     buckets = sorted(rows[0]["tau"])
     print(f"\n{args.algorithm} on SmolLM2-135M-Instruct, {args.budget:,} training tokens each way "
           f"(one epoch, batch 1); τ in-tree, greedy, {args.prompts} prompts x {args.max_new_tokens} new tokens "
-          "per bucket; the change at the longest bucket against the first")
-    print(f"{'way':<20}{'samples':>8}{'tokens':>10}" + "".join(f"{L:>9}" for L in buckets) + "   change")
+          f"per bucket; anchors {args.anchors}; the change at the longest bucket against the first")
+    print(f"{'way':<20}{'samples':>8}{'tokens':>10}{'anchors':>8}" + "".join(f"{L:>9}" for L in buckets) + "   change")
     for r in rows:
         t = r["tau"]
-        print(f"{r['way']:<20}{r['samples']:>8}{r['tokens']:>10,}" + "".join(f"{t[L]:>9.3f}" for L in buckets)
-              + f"   {(t[buckets[-1]] - t[buckets[0]]) / t[buckets[0]]:+.1%}")
+        anchors = str(r.get("num_anchors") or "-")
+        taus = "".join(f"{t[L]:>9.3f}" for L in buckets)
+        change = (t[buckets[-1]] - t[buckets[0]]) / t[buckets[0]]
+        print(f"{r['way']:<20}{r['samples']:>8}{r['tokens']:>10,}{anchors:>8}{taus}   {change:+.1%}")
 
 
 if __name__ == "__main__":
