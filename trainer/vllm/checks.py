@@ -85,7 +85,7 @@ def load_in_vllm034(jobs: list[dict], timeout: int = 900) -> list[dict]:
     jobs_file = first.with_suffix(".jobs.json")
     jobs_file.write_text(json.dumps([{k: str(v) if isinstance(v, Path) else v for k, v in j.items()} for j in jobs]))
     log = first.with_suffix(".log")
-    env = runner_env()
+    env = runner_env(python=python)  # its own vLLM cache: 0.32's inspections are not 0.34's
     env.pop("VLLM_TARGET_DEVICE", None)  # the runner sets the CPU platform itself
     with open(log, "w") as f:
         r = subprocess.run([python, str(RUNNERS / "vllm034_load.py"), "--jobs", str(jobs_file)], stdout=f,

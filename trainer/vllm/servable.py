@@ -29,7 +29,7 @@ from trainer.errors import DraftsmithError
 from trainer.families import embedding_name, is_longrope, longrope_note
 from trainer.io import atomic_write_json
 from trainer.target import TargetSource, cache_root, resolve_target, target_architectures, target_config, target_hf_dir
-from trainer.vllm.env import require_vllm_python, vllm_python
+from trainer.vllm.env import require_vllm_python, shared_vllm_cache, vllm_python
 
 RUNNER = Path(__file__).resolve().parent / "runners" / "vllm_servable.py"
 TABLE = Path(__file__).resolve().parent / "vllm_servable_0.32.json"
@@ -71,7 +71,7 @@ def _installed_report(architectures: list[str], configs: list[Path] = ()) -> dic
         out = cache_root() / f"servable-{os.getpid()}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.setdefault("VLLM_CACHE_ROOT", str(cache_root() / "vllm-cache"))
+        env.setdefault("VLLM_CACHE_ROOT", str(shared_vllm_cache(python)))
         env["HF_HUB_OFFLINE"] = "1"  # local folders only: no Hub lookups for a config
         try:
             r = subprocess.run([python, str(RUNNER), "--architectures", *missing,
