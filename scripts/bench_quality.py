@@ -20,7 +20,8 @@ exists, so a stopped run continues where it stopped; results.json collects what 
    engine, bfloat16, the layers of EAGLE-3 and DFlash).
 2. Budgets: for budget B, the first n_B samples of the capture whose tokens reach B. Every trainer
    trains one epoch over exactly those samples, batch 1 (the peer packs them into --max-length
-   rows, as it does), AdamW at the recipe's learning rate, EAGLE-3 with 3 TTT steps and the
+   rows, as it does), the recipe's optimizer and rate (Muon at 5e-3 since issue 41, AdamW at 5e-4
+   before) unless a variant names its own, EAGLE-3 with 3 TTT steps and the
    target's draft rows as a frozen head (what the peer trains), DFlash as its recipe.
 3. Measure: greedy, --prompts GSM8K and --prompts MT-Bench prompts, --max-new-tokens each. EAGLE-3
    drafts (draftsmith's BF16 export, the peer's checkpoint as it saved it) are served by vLLM
@@ -45,6 +46,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 PEER_PYTHON = REPO / ".speculators-venv" / "bin" / "python"
 DATASETS = ("gsm8k", "mtbench")
+# the AdamW rate of the SmolLM2 recipe until Muon became its default (issue 41): the peer's "adamw"
+# variant trains at it, as every earlier curve did
+ADAMW_RATE = 5e-4
 
 
 def run(cmd: list[str], what: str) -> None:
@@ -145,7 +149,7 @@ def train_peer(capture: Path, out: Path, n: int, variant: str | None = None) -> 
         ids, _ = export_for_peer(str(capture), Path(tmp) / "data", 1024, limit=n)
         run([str(PEER_PYTHON), "scripts/peer_speculators.py", "--data", str(Path(tmp) / "data"), "--verifier",
              verifier, "--out", str(out), "--aux-layer-ids", ",".join(map(str, ids)), "--ttt-steps", "3",
-             "--lr", str(cfg.learning_rate), "--max-length", "1024", "--keep-checkpoint", *peer_flags(variant)],
+             "--lr", str(ADAMW_RATE), "--max-length", "1024", "--keep-checkpoint", *peer_flags(variant)],
             f"speculators {out.name}")
     return ckpt
 

@@ -64,7 +64,7 @@ def pipeline(tmp_path_factory, smollm2):
     own_answers_capture(d, smollm2, prompts, MAX_NEW, ["eagle3", "dflash"])
     train.run(load_config(TrainConfig, REPO / "recipes/configs/smollm2-135m/eagle3.yaml", [
         f"data={d / 'echo'}", f"output_dir={d / 'eagle3'}", "draft.ttt_steps=3", "max_steps=60", "epochs=1000",
-        "learning_rate=0.001", "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5",
+        "learning_rate=0.001", "optimizer=adamw", "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5",
         "save_every=1000", "log_every=10"]))
     out = {}
     for name, extra in (("bf16", {}), ("speculators", {"format": "speculators"}),
