@@ -241,7 +241,8 @@ def main() -> None:
     ap.add_argument("--out", default="runs/quality")
     ap.add_argument("--records", type=int, default=1200)
     ap.add_argument("--budgets", default="25000,50000,100000,200000")
-    ap.add_argument("--trainers", default="eagle3,dflash,speculators")
+    ap.add_argument("--trainers", action="append",
+                    help="comma-separated; repeatable (default eagle3,dflash,speculators)")
     ap.add_argument("--data", default="written,regenerated")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -250,7 +251,8 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trainers = [(t.partition("@")[0], t.partition("@")[2] or None) for t in args.trainers.split(",")]
+    names = [t for group in args.trainers or ["eagle3,dflash,speculators"] for t in group.split(",")]
+    trainers = [(t.partition("@")[0], t.partition("@")[2] or None) for t in names]
     unknown = {k for k, _ in trainers} - {"eagle3", "dflash", "dspark", "speculators"}
     if unknown:
         raise SystemExit(f"--trainers: unknown {sorted(unknown)}; use eagle3, dflash, dspark, speculators, each "
