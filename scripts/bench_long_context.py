@@ -68,16 +68,17 @@ def capture(out: Path, name: str, records: int, algorithm: str, budget: int) -> 
 
 
 def anchor_positions(prepared: Path, n: int) -> list[int]:
-    """Per sample, the positions an anchor may take (p and p+1 both answer tokens, as
-    trainer/drafts/dflash.py's sample_anchors allows), over the first n prepared samples."""
+    """Per sample, how many positions an anchor may take (the library's `anchor_eligible`, a
+    sample alone: batch 1, no padding), over the first n prepared samples."""
     import torch
 
     from trainer.data.prepared import load_prepared
+    from trainer.drafts.dflash import anchor_eligible
 
     counts = []
     for mask in load_prepared(prepared)[0].select(range(n))["loss_mask"]:
-        m = torch.tensor(mask, dtype=torch.bool)
-        counts.append(int((m[:-1] & m[1:]).sum()))
+        m = torch.tensor([mask])
+        counts.append(int(anchor_eligible(m, torch.ones_like(m)).sum()))
     return counts
 
 

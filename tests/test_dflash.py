@@ -59,6 +59,17 @@ def test_block_inputs_mask_and_positions():
         assert a[q, 10:].tolist() == [k // 3 == q // 3 for k in range(6)]  # own block, both ways
 
 
+def test_anchors_are_drawn_only_where_an_answer_token_follows():
+    loss = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0], [1, 1, 0, 1, 1, 1, 1, 1]])
+    attn = torch.tensor([[1] * 8, [1, 1, 1, 1, 1, 1, 0, 0]])  # row 1 ends in two pad positions
+    # by hand: p eligible when p and p+1 are answer tokens and p+1 is not padding
+    want = [[p < 7 and bool(loss[b, p] and loss[b, p + 1] and attn[b, p + 1]) for p in range(8)] for b in range(2)]
+    assert dflash.anchor_eligible(loss, attn).tolist() == want  # [[1,2,5], [0,3,4]]
+    anchors, valid = dflash.sample_anchors(loss, attn, 8, torch.Generator().manual_seed(0))
+    for b in range(2):
+        assert sorted(anchors[b][valid[b]].tolist()) == [p for p in range(8) if want[b][p]]
+
+
 def _context(t, d, seq):
     return t.forward(torch.tensor([seq]), aux_layer_ids=IDS).aux_hidden_states
 

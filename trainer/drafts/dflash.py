@@ -292,14 +292,20 @@ def fill_from_data(cfg: DFlashConfig, counts: torch.Tensor, special_ids) -> DFla
     return cfg
 
 
-def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor, n: int,
-                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to n random anchors per row at positions p with loss_mask[p] and loss_mask[p+1]
-    (inside an assistant span, with a token after it to predict). loss_mask [B, T].
-    Returns anchors [B, n'] (sorted, padded with 0) and valid [B, n'] bool."""
-    B, T = loss_mask.shape
+def anchor_eligible(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The positions p an anchor may take: loss_mask[p] and loss_mask[p+1] (inside an assistant
+    span, with a token after it to predict) and p+1 not padding. Masks [B, T]; returns bool [B, T]."""
     ok = torch.zeros_like(loss_mask, dtype=torch.bool)
     ok[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
+    return ok
+
+
+def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor, n: int,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to n random anchors per row, drawn from `anchor_eligible`'s positions. loss_mask [B, T].
+    Returns anchors [B, n'] (sorted, padded with 0) and valid [B, n'] bool."""
+    B, T = loss_mask.shape
+    ok = anchor_eligible(loss_mask, attention_mask)
     keys = torch.rand(B, T, generator=generator, device=loss_mask.device).masked_fill(~ok, 2.0)
     k = max(1, min(n, int(ok.sum(-1).max())))
     chosen = keys.topk(k, dim=-1, largest=False).indices  # [B, k] random eligible positions first
