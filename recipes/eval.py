@@ -41,7 +41,7 @@ from trainer.errors import DraftsmithError
 from trainer.io import atomic_write_json, atomic_write_text, check_space, ensure_dir, guard_output, write_run_files
 from trainer.metrics import bucket_report
 from trainer.serving import CostModel, best_num_draft_tokens, speculation_cutoff
-from trainer.speculative import DecodeStats, NGramDraft, Sampling, measure
+from trainer.speculative import DecodeStats, NGramDraft, Sampling, measure, measure_with_baseline
 from trainer.target import load_target, resolve_target
 
 FLAGS = ("target", "draft", "dataset", "num_draft_tokens", "temperature", "top_p", "top_k", "num_prompts",
@@ -86,8 +86,8 @@ def run(cfg: EvalConfig, argv=None) -> dict:
     ar, sp, buckets = DecodeStats(0), DecodeStats(N), []
     for L, some in sets.items():  # each bucket decoded as a run of its own (the same seeds): the whole merged
         where = f" ({L}-token context)" if L else ""
-        a = measure(target, None, some, cfg.max_new_tokens, progress=f"eval: autoregressive{where}", **common)
-        s = measure(target, draft, some, cfg.max_new_tokens, N, progress=f"eval: speculative{where}", **common)
+        a, s = measure_with_baseline(target, draft, some, cfg.max_new_tokens, N,
+                                     progress=f"eval: autoregressive and speculative{where}", **common)
         ar.merge(a)
         sp.merge(s)
         if L:

@@ -462,3 +462,36 @@ def test_draft_sampling_applies_temperature_only_as_vllms_draft_sampler(algorith
     at_one = qs["t1"].q[0, 0][target_ids]
     torch.testing.assert_close(first[target_ids], torch.softmax(torch.log(at_one) / 0.7, -1), rtol=1e-4, atol=1e-6)
     assert not torch.allclose(first[target_ids], at_one, atol=1e-3)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
+def test_decodes_sharing_one_prefill_equal_decodes_prefilling_alone(algorithm):
+    """measure_with_baseline (one prefill per batch, kept by Prefills and handed to the second
+    decode) counts and generates what the two decodes give each prefilling alone, sampled, in
+    batches; and the kept prefill was handed out once per batch."""
+    from trainer.drafts.registry import get
+
+    t = tiny_target()
+    d = _tiny_draft(t, algorithm)
+    s, prompts = Sampling(temperature=0.8, top_k=20), PROMPTS + PROMPTS[:1]
+    common = dict(sampling=s, eos_token_ids=(), batch_size=2, seed=3)
+    make = lambda: get(algorithm).Proposer(d, draft_sampling="probabilistic", seed=1)  # noqa: E731
+    ar = spec.measure(t, None, prompts, 10, **common)
+    sp = spec.measure(t, make(), prompts, 10, 3, **common)
+    ar2, sp2 = spec.measure_with_baseline(t, make(), prompts, 10, 3, **common)
+    for alone, shared in ((ar, ar2), (sp, sp2)):
+        assert shared.counts() == alone.counts() and shared.generated == alone.generated
+        assert shared.rounds == alone.rounds and shared.iterations == alone.iterations
+    kept = spec.Prefills(make().aux_layer_ids)
+    outs = [generate(t, PROMPTS[:2], 10, draft, 3, s, seed=3, prefills=kept)[0] for draft in (None, make(), make())]
+    assert outs[1] == outs[2] and kept.reused == 2 and len(kept.kept) == 1
+    assert outs[0] == generate(t, PROMPTS[:2], 10, None, 3, s, seed=3)[0]
+
+
+def test_a_prefill_computes_only_its_last_logits_and_they_are_the_full_forwards():
+    t = tiny_target()
+    ids = torch.tensor([PROMPTS[0]])
+    full = t.forward(ids).logits
+    last = t.forward(ids, logits_to_keep=1).logits
+    assert last.shape[1] == 1
+    torch.testing.assert_close(last[:, -1], full[:, -1], atol=1e-6, rtol=1e-6)

@@ -33,6 +33,7 @@ every rollback is an exact crop.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -184,15 +185,51 @@ class Draft(Protocol):
     def commit(self, sequences: list[list[int]], aux: torch.Tensor | None, keep: torch.Tensor) -> None: ...
 
 
+class Prefills:
+    """Prompt batches already prefilled by one target, kept so that several decodes of the same
+    prompts (eval's plain and speculative decodes of a bucket) prefill once. The first decode of a
+    batch runs the prefill with `aux_layer_ids` (the draft's layers: either decode can start from
+    it) and keeps the cache, mask and output; a later decode starts from a copy of them and is
+    charged the seconds that prefill took, so its tokens/s read as if it had prefilled alone. A
+    decode whose draft reads other layers prefills as before."""
+
+    def __init__(self, aux_layer_ids=()):
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.kept: dict[tuple, tuple] = {}  # prompts -> (cache, mask, output, seconds)
+        self.target = None
+        self.reused = 0  # prefills handed out again
+
+    def serves(self, target, aux_layer_ids) -> bool:
+        if self.target is not None and self.target is not target:
+            raise ValueError("one Prefills holds one target's prefills; make one per target")
+        return not aux_layer_ids or list(aux_layer_ids) == self.aux_layer_ids
+
+
 class TargetSession:
     """The target with its KV cache for a batch of rows (left-padded prompts)."""
 
     def __init__(self, target, aux_layer_ids=()):
         self.target, self.aux_layer_ids = target, list(aux_layer_ids)
+        self.reused_s = 0.0  # the seconds of a kept prefill this session started from (else 0)
 
-    def prefill(self, prompts: list[list[int]]):
-        """The whole prompt of every row, as vLLM prefills it: returns the target's output
-        over [B, P] (its last logits give the first generated token)."""
+    def prefill(self, prompts: list[list[int]], prefills: Prefills | None = None):
+        """The whole prompt of every row, as vLLM prefills it: returns the target's output over
+        [B, P] (aux states of every position; logits of the last, which give the first token)."""
+        if prefills is None or not prefills.serves(self.target, self.aux_layer_ids):
+            return self._prefill(prompts, self.aux_layer_ids)
+        key = tuple(map(tuple, prompts))
+        if key not in prefills.kept:
+            t0 = time.perf_counter()
+            out = self._prefill(prompts, prefills.aux_layer_ids)
+            prefills.target = self.target
+            prefills.kept[key] = (copy.deepcopy(self.cache), self.mask.clone(), out, time.perf_counter() - t0)
+            return out
+        cache, mask, out, seconds = prefills.kept[key]
+        self.cache, self.mask, self.reused_s = copy.deepcopy(cache), mask.clone(), seconds
+        prefills.reused += 1
+        return out
+
+    def _prefill(self, prompts: list[list[int]], aux_layer_ids):
         dev = self.target.device
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=dev)
@@ -204,7 +241,8 @@ class TargetSession:
         # sliding-window layers (Gemma-3) keep only the window; recording the past lets every
         # rollback crop them exactly (transformers' DynamicSlidingWindowLayer.crop)
         self.cache.activate_past_recording()
-        return self._run(ids, self.mask)
+        return self.target.forward(ids, self.mask, aux_layer_ids=aux_layer_ids, cache=self.cache,
+                                   position_ids=positions_from_mask(self.mask, ids.shape[1]), logits_to_keep=1)
 
     def _run(self, ids, mask):
         return self.target.forward(ids, mask, aux_layer_ids=self.aux_layer_ids, cache=self.cache,
@@ -290,12 +328,13 @@ def _sample(p: torch.Tensor, greedy: bool, generator: torch.Generator) -> torch.
 @torch.no_grad()
 def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft | None = None,
              num_draft_tokens: int = 4, sampling: Sampling | None = None, eos_token_ids=(),
-             seed: int = 0) -> tuple[list[list[int]], DecodeStats]:
+             seed: int = 0, prefills: Prefills | None = None) -> tuple[list[list[int]], DecodeStats]:
     """Speculative decoding (or plain autoregressive decoding when `draft` is None), round for
     round as vLLM runs it: the first token from the prefill, then one draft-verify round per
     step while a row is unfinished.
 
-    Returns the generated tokens per row (eos included when produced) and the stats.
+    Returns the generated tokens per row (eos included when produced) and the stats. With
+    `prefills`, a batch prefilled before for another decode starts from that prefill (`Prefills`).
     """
     sampling = sampling or Sampling()
     N = num_draft_tokens if draft is not None else 0
@@ -307,7 +346,7 @@ def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft
         outputs, stats = [], DecodeStats(num_draft_tokens=N)
         for r, prompt in enumerate(prompts):
             out, s = generate(target, [prompt], max_new_tokens, draft, num_draft_tokens, sampling, eos_token_ids,
-                              seed + r)
+                              seed + r, prefills)
             outputs += out
             stats.merge(s)
         return outputs, stats
@@ -327,12 +366,13 @@ def generate(target, prompts: list[list[int]], max_new_tokens: int, draft: Draft
 
     t_start = time.perf_counter()
     session = TargetSession(target, draft.aux_layer_ids if draft is not None else ())
-    out = session.prefill(prompts)
+    out = session.prefill(prompts, prefills)
     pending = _sample(processed_probs(out.logits[:, -1], sampling), sampling.greedy, gen)  # [B] the first token
     for r in range(B):
         emit(r, [int(pending[r])])
     seqs = [list(p) + [int(pending[r])] for r, p in enumerate(prompts)]
     t1 = time.perf_counter()
+    t_start -= session.reused_s  # a kept prefill is charged what it took
     stats.prefill_s += t1 - t_start
     if draft is not None:
         draft.begin(seqs, out.aux_hidden_states, session.mask)
@@ -434,12 +474,31 @@ class NGramDraft:
 
 def measure(target, draft: Draft | None, prompts: list[list[int]], max_new_tokens: int, num_draft_tokens: int = 4,
             sampling: Sampling | None = None, eos_token_ids=(), batch_size: int = 1, seed: int = 0,
-            progress: str | None = None) -> DecodeStats:
-    """Decode `prompts` in batches and merge the stats (None draft = autoregressive)."""
+            progress: str | None = None, prefills: Prefills | None = None) -> DecodeStats:
+    """Decode `prompts` in batches and merge the stats (None draft = autoregressive); `prefills`
+    shares each batch's prefill with other decodes of the same batches."""
     stats = DecodeStats(num_draft_tokens if draft is not None else 0)
     starts = range(0, len(prompts), batch_size)
     for b in tqdm(starts, desc=progress, unit="batch", disable=progress is None, leave=False):
         _, s = generate(target, prompts[b:b + batch_size], max_new_tokens, draft, num_draft_tokens, sampling,
-                        eos_token_ids, seed=seed + b)
+                        eos_token_ids, seed=seed + b, prefills=prefills)
         stats.merge(s)
     return stats
+
+
+def measure_with_baseline(target, draft: Draft, prompts: list[list[int]], max_new_tokens: int,
+                          num_draft_tokens: int = 4, sampling: Sampling | None = None, eos_token_ids=(),
+                          batch_size: int = 1, seed: int = 0,
+                          progress: str | None = None) -> tuple[DecodeStats, DecodeStats]:
+    """`measure` without a draft and with `draft`, batch by batch from one prefill of each batch
+    (`Prefills`): the two merged stats, each as `measure` gives it alone (same seeds, the prefill's
+    seconds charged to both), at the cost of one prefill per batch instead of two."""
+    plain, spec = DecodeStats(0), DecodeStats(num_draft_tokens)
+    starts = range(0, len(prompts), batch_size)
+    for b in tqdm(starts, desc=progress, unit="batch", disable=progress is None, leave=False):
+        batch, shared = prompts[b:b + batch_size], Prefills(draft.aux_layer_ids)
+        plain.merge(generate(target, batch, max_new_tokens, None, num_draft_tokens, sampling, eos_token_ids,
+                             seed=seed + b, prefills=shared)[1])
+        spec.merge(generate(target, batch, max_new_tokens, draft, num_draft_tokens, sampling, eos_token_ids,
+                            seed=seed + b, prefills=shared)[1])
+    return plain, spec

@@ -364,6 +364,7 @@ class Target:
         return_logits: bool = True,
         cache=None,  # a transformers Cache to read and extend (decoding)
         position_ids: torch.Tensor | None = None,  # [B, T]
+        logits_to_keep: int = 0,  # logits of the last k positions only (0: all); a prefill needs its last
     ) -> TargetOutput:
         if self.head_only:
             raise TargetError(f"target {self.name} was loaded head-only (embedding, norm, LM head) and cannot run "
@@ -391,7 +392,8 @@ class Target:
                 h.remove()
         last = states[self.num_layers]  # [B, T, H], pre-norm
         aux = torch.cat([states[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None  # [B, T, L*H]
-        logits = self.head_logits(out.last_hidden_state) if return_logits else None  # [B, T, V]
+        h = out.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else out.last_hidden_state
+        logits = self.head_logits(h) if return_logits else None  # [B, T or logits_to_keep, V]
         return TargetOutput(logits=logits, aux_hidden_states=aux, last_hidden_state=last)
 
 
