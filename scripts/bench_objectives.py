@@ -145,7 +145,7 @@ def main() -> None:
           f"batch 1); τ at N = {trained}, greedy, in-tree, {args.prompts} prompts x {args.max_new_tokens} tokens "
           f"per dataset (± one standard error over groups of {args.group}); "
           "α: the last logged teacher-forced acceptance per step")
-    print(f"{'loss':<11}{'optimizer':<10}{'lr':<8}" + "".join(f"{ds:>16}" for ds in DATASETS) + "   α per TTT step")
+    print(f"{'loss':<11}{'optimizer':<10}{'lr':<8}" + "".join(f"{ds:>16}" for ds in DATASETS) + "   α per position")
     for r in rows:
         print(f"{r['loss']:<11}{r['optimizer']:<10}{r['learning_rate']:<8}"
               + "".join(f"{r['tau'][ds]['tau']:>9.3f} ±{r['tau'][ds]['se']:.3f}" for ds in DATASETS)
