@@ -6,7 +6,8 @@ vllm/transformers_utils/configs/speculators/):
     "vllm"         config.json: architectures ["LlamaForCausalLMEagle3"], a one-layer Llama
                    config of the draft layer + target_hidden_size, draft_vocab_size,
                    eagle_aux_hidden_state_layer_ids (top level, "entering layer i" ids),
-                   norm_before_residual (written: the native loader defaults it to False).
+                   norm_before_residual (written: the native loader defaults it to False),
+                   norm_before_fc and norm_output (written: both default to False).
                    Weights keep our names: fc, midlayer.*, norm, lm_head, d2t, t2d.
     "speculators"  config.json: speculators_model_type "eagle3", transformer_layer_config,
                    speculators_config {algorithm, proposal_methods, default_proposal_method,
@@ -78,14 +79,18 @@ def config_json(draft: dict, target, fmt: str, dtype: str, num_draft_tokens: int
              # vLLM's convention ("entering layer i" = HF hidden_states[i]), the same as ours.
              "eagle_aux_hidden_state_layer_ids": list(draft["aux_layer_ids"]),
              "num_aux_hidden_states": len(draft["aux_layer_ids"]),  # sizes vLLM's fc input (llama_eagle3.py)
-             "norm_before_residual": bool(draft["norm_before_residual"])}
+             "norm_before_residual": bool(draft["norm_before_residual"]),
+             # vLLM's options (llama_eagle3.py; the speculators loader passes them on, algos.py): absent in a
+             # draft trained before they existed, which had neither
+             "norm_before_fc": bool(draft.get("norm_before_fc", False)),
+             "norm_output": bool(draft.get("norm_output", False))}
     if fmt == "vllm":
         return {"architectures": ["LlamaForCausalLMEagle3"], **layer, **eagle}
     target_arch = list(getattr(target.model.config, "architectures", None) or ["LlamaForCausalLM"])
     return {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
         "transformer_layer_config": {"architectures": ["LlamaForCausalLM"], **layer},
-        **eagle, "norm_before_fc": False, "torch_dtype": dtype,
+        **eagle, "torch_dtype": dtype,
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_draft_tokens}],
@@ -105,7 +110,9 @@ def describe(manifest: dict) -> list[str]:
             f"states entering layers {draft['aux_layer_ids']} (vLLM's `eagle_aux_hidden_state_layer_ids`)",
             f"- draft vocabulary {draft['draft_vocab_size']:,} of the target's {draft['vocab_size']:,} tokens (`d2t`); "
             "the token embedding is the target's (not included)",
-            f"- layout: {layout}"]
+            f"- layout: {layout}"] + (
+        [f"- vLLM's norm options on: {', '.join(f'`{n}`' for n in norms)}"] if (norms := [
+            n for n in ("norm_before_fc", "norm_output", "norm_before_residual") if draft.get(n)]) else [])
 
 
 TITLE = "EAGLE-3 draft model"

@@ -14,13 +14,13 @@ from trainer.errors import ConfigError
 from trainer.metrics import simulated_tau
 
 
-def tiny_draft(seed=0, norm_before_residual=False):
+def tiny_draft(seed=0, norm_before_residual=False, **norms):
     torch.manual_seed(seed)
     cfg = Eagle3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                        rms_norm_eps=1e-6, max_position_embeddings=128,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, target_hidden_size=32,
                        vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3],
-                       norm_before_residual=norm_before_residual, ttt_steps=3)
+                       norm_before_residual=norm_before_residual, ttt_steps=3, **norms)
     embed = torch.nn.Embedding(50, 32)
     d = Eagle3Draft(cfg, embed)
     for p in d.parameters():  # RMSNorm weights away from 1 so that norm placement matters
@@ -58,19 +58,16 @@ def naive_unroll(d: Eagle3Draft, ids, fused, K):
         return q, kk.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), res
 
     outs = []
-    hidden = fused
     for k in range(K):
-        # recompute keys/values of all earlier steps from scratch
-        hs, kvs = fused, []
+        # every step recomputed from scratch: step j reads the state step j-1 hands on (its output,
+        # or with norm_output that output through the final norm) and the keys of steps 0..j
+        state_in, kvs = fused, []
         for j in range(k + 1):
-            q, kk, v, res = qkv(hs, j)
+            q, kk, v, res = qkv(state_in, j)
             kvs.append((kk, v))
-            if j < k:  # advance the state with the same naive attention
-                hs = _naive_layer(d, q, kvs, res, T)
-        q, _, _, res = qkv(hidden if k == 0 else hs, k)
-        hidden = _naive_layer(d, q, kvs, res, T)
-        outs.append(d.lm_head(d.norm(hidden)))
-        hs = hidden
+            state = _naive_layer(d, q, kvs, res, T)
+            state_in = d.norm(state) if d.config.norm_output else state
+        outs.append(d.lm_head(d.norm(state)))
     return outs
 
 
@@ -89,21 +86,33 @@ def _naive_layer(d, q, kvs, res, T):
     return r + layer.mlp(layer.post_attention_layernorm(r))
 
 
-def test_ttt_unroll_equals_a_naive_loop():
-    for nbr in (False, True):
-        d = tiny_draft(norm_before_residual=nbr).double()
-        d.embed_tokens.double()
-        B, T, K = 2, 6, 4
-        ids = torch.randint(0, 50, (B, T))
-        fused = torch.randn(B, T, 32, dtype=torch.double)
-        cache, hidden, fast = [], fused, []
-        for k in range(K):
-            toks = torch.cat([ids[:, 1 + k:], torch.zeros(B, 1 + k, dtype=ids.dtype)], 1)
-            pos = torch.arange(T)[None].expand(B, T) + k
-            hidden, logits = d.step(toks, hidden, pos, cache)
-            fast.append(logits)
-        for k, (a, b) in enumerate(zip(fast, naive_unroll(d, ids, fused, K))):
-            torch.testing.assert_close(a, b, msg=f"step {k} (norm_before_residual={nbr})")
+@pytest.mark.parametrize("nbr,norm_output", [(False, False), (True, False), (True, True)])
+def test_ttt_unroll_equals_a_naive_loop(nbr, norm_output):
+    d = tiny_draft(norm_before_residual=nbr, norm_output=norm_output).double()
+    d.embed_tokens.double()
+    B, T, K = 2, 6, 4
+    ids = torch.randint(0, 50, (B, T))
+    fused = torch.randn(B, T, 32, dtype=torch.double)
+    cache, hidden, fast = [], fused, []
+    for k in range(K):
+        toks = torch.cat([ids[:, 1 + k:], torch.zeros(B, 1 + k, dtype=ids.dtype)], 1)
+        pos = torch.arange(T)[None].expand(B, T) + k
+        hidden, logits = d.step(toks, d.carry(hidden) if k else hidden, pos, cache)
+        fast.append(logits)
+    for k, (a, b) in enumerate(zip(fast, naive_unroll(d, ids, fused, K))):
+        torch.testing.assert_close(a, b, msg=f"step {k} (norm_before_residual={nbr}, norm_output={norm_output})")
+    if norm_output:  # the option changes what step 1 reads, so the logits from step 1 on
+        plain = tiny_draft(norm_before_residual=nbr).double()
+        plain.embed_tokens.double()
+        assert not torch.allclose(naive_unroll(plain, ids, fused, K)[1], fast[1])
+
+
+def test_norm_before_fc_norms_the_concatenated_states_before_fc():
+    d = tiny_draft(norm_before_fc=True)
+    aux = torch.randn(2, 5, 96) * torch.tensor([1.0] * 32 + [30.0] * 32 + [0.1] * 32)  # layers of unlike scale
+    rms = aux * torch.rsqrt(aux.pow(2).mean(-1, keepdim=True) + 1e-6) * d.input_norm.weight  # by hand
+    torch.testing.assert_close(d.fuse(aux), d.fc(rms), atol=1e-5, rtol=1e-5)
+    assert "input_norm.weight" in d.state_dict() and "input_norm.weight" not in tiny_draft().state_dict()
 
 
 def test_training_step_masks_and_counts():
@@ -128,13 +137,15 @@ def test_training_step_masks_and_counts():
     assert d.fc.weight.grad is not None and d.lm_head.weight.grad is not None
 
 
-def test_training_step_equals_the_dense_reference():
+@pytest.mark.parametrize("norms", [{}, {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}])
+def test_training_step_equals_the_dense_reference(norms):
     """The step runs the LM head only where the loss reads it (and the labels are made only
-    there); loss, gradients and accuracy equal the dense computation over every position."""
+    there); loss, gradients and accuracy equal the dense computation over every position (with
+    vLLM's three norm options too: input_norm gets its gradient)."""
     from trainer.drafts.eagle3 import shift_left
 
     torch.manual_seed(1)
-    d = tiny_draft().double()
+    d = tiny_draft(**norms).double()
     d.embed_tokens.double()
     B, T, K = 3, 12, 3
     ids = torch.randint(0, 50, (B, T))
@@ -150,10 +161,11 @@ def test_training_step_equals_the_dense_reference():
     m.loss.backward()
     fast = {n: q.grad.clone() for n, q in d.named_parameters() if q.grad is not None}
     d.zero_grad()
-    hidden, cache, loss, correct = d.fc(batch["aux_hidden_states"]), [], 0.0, []
+    hidden, cache, loss, correct = d.fuse(batch["aux_hidden_states"]), [], 0.0, []
     for k in range(K):  # the dense reference: logits and labels at every position, then masked
         valid = shift_left(loss_mask, 2 + k).bool() & attn.bool()
-        hidden, logits = d.step(shift_left(ids, 1 + k), hidden, torch.arange(T).expand(B, T) + k, cache)
+        carried = (d.norm(hidden) if norms else hidden) if k else hidden  # norm_output: the normed state on
+        hidden, logits = d.step(shift_left(ids, 1 + k), carried, torch.arange(T).expand(B, T) + k, cache)
         target = shift_left(p, 1 + k)
         per_pos = -(target * logits.log_softmax(-1)).sum(-1)  # [B, T]
         per_sample = (per_pos * valid).sum(-1) / valid.sum(-1).clamp(min=1)  # each sample's mean, then the batch's
@@ -165,6 +177,7 @@ def test_training_step_equals_the_dense_reference():
         if q.grad is not None:
             torch.testing.assert_close(fast[n], q.grad, msg=n)
     assert m.correct.tolist() == correct
+    assert ("input_norm.weight" in fast) == bool(norms)
 
 
 def test_default_layer_ids_are_valid_for_every_depth():

@@ -100,7 +100,7 @@ def test_round_trip_is_bit_identical(tmp_path, tiny_draft, tiny_target_dir, fmt)
         layer = cfg["transformer_layer_config"]
     # vLLM reads the layer ids only at the top level, in its own convention; both norms explicit
     assert cfg["eagle_aux_hidden_state_layer_ids"] == d["aux_layer_ids"]
-    assert cfg["norm_before_residual"] is False
+    assert cfg["norm_before_residual"] is False and cfg["norm_before_fc"] is False and cfg["norm_output"] is False
     assert cfg["draft_vocab_size"] == d["draft_vocab_size"] and cfg["target_hidden_size"] == 64
     assert layer["num_hidden_layers"] == 1 and layer["hidden_size"] == d["hidden_size"]
 

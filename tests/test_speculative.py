@@ -219,8 +219,8 @@ def test_every_position_of_a_round_and_its_bonus_token_have_the_targets_distribu
     assert stat_bad > _chi_square_threshold(dof), stat_bad
 
 
-def _tiny_eagle3(t):
-    cfg = Eagle3Config(draft_vocab_size=128).fill_from_target(t.model.config, [1, 2, 3])
+def _tiny_eagle3(t, **norms):
+    cfg = Eagle3Config(draft_vocab_size=128, **norms).fill_from_target(t.model.config, [1, 2, 3])
     d = Eagle3Draft(cfg, t.backbone.embed_tokens)
     d.set_vocab(torch.arange(128) * 2 - torch.arange(128), torch.arange(t.vocab_size) % 2 == 0)  # even ids
     return d
@@ -231,19 +231,24 @@ def _training_time_q(t, d, ext: list[int], i: int, K: int) -> torch.Tensor:
     draft's distribution at position i for steps 0..K-1, over the draft vocabulary. [K, Vd]"""
     full = t.forward(torch.tensor([ext]), aux_layer_ids=[1, 2, 3])
     ids = torch.tensor([ext])
-    hidden, cache, out = d.fc(full.aux_hidden_states), [], []
+    hidden, cache, out = d.fuse(full.aux_hidden_states), [], []
     for k in range(K):
         tokens = torch.cat([ids[:, 1 + k:], torch.zeros(1, 1 + k, dtype=ids.dtype)], 1)  # token i+1+k
-        hidden, logits = d.step(tokens, hidden, torch.arange(len(ext))[None] + k, cache)
+        hidden, logits = d.step(tokens, d.carry(hidden) if k else hidden, torch.arange(len(ext))[None] + k, cache)
         out.append(logits[0, i].softmax(-1))
     return torch.stack(out)
 
 
-def test_eagle3_proposer_chain_and_commit_equal_the_training_time_steps():
+@pytest.mark.parametrize("norms", [{}, {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}])
+def test_eagle3_proposer_chain_and_commit_equal_the_training_time_steps(norms):
     """Every chained proposal step, in a first round and again after a partial acceptance
-    (commit with rejected slots cropped), is the training-time step at the same position."""
+    (commit with rejected slots cropped), is the training-time step at the same position; with
+    vLLM's three norm options (speculators' EAGLE-3 defaults) too."""
     t = tiny_target()
-    d = _tiny_eagle3(t)
+    d = _tiny_eagle3(t, **norms)
+    for name, p in d.named_parameters():  # norm weights away from 1: where a norm sits matters
+        if "norm" in name:
+            torch.nn.init.normal_(p, mean=1.0, std=0.3)
     N, seq = 4, PROMPTS[2]
     prop = Eagle3Proposer(d, draft_sampling="probabilistic", seed=0)
     session = spec.TargetSession(t, [1, 2, 3])

@@ -7,6 +7,7 @@ target features with `fc`, one decoder layer, train with "training-time test"
 `eagle/traineagle3/cnets.py`; served layout vllm/model_executor/models/llama_eagle3.py.
 
 Module layout (names are vLLM's, so export is a one-to-one key map):
+    input_norm         RMSNorm(3*Ht), with norm_before_fc only: the concatenated aux states normed before fc
     fc                 Linear(3*Ht -> H, no bias)      fuses the three aux states
     midlayer.hidden_norm, midlayer.input_layernorm      RMSNorm(H)
     midlayer.self_attn.{q,k,v}_proj                     Linear(2H -> heads*hd): input concat(norm(embed), norm(fused))
@@ -15,6 +16,12 @@ Module layout (names are vLLM's, so export is a one-to-one key map):
     norm, lm_head                                       RMSNorm(H), Linear(H -> Vd)
     d2t [Vd] int64, t2d [V] bool                        buffers: target_id = draft_id + d2t[draft_id]
 The token embedding is the target's, frozen, not trained and not exported.
+
+Three of vLLM's LlamaForCausalLMEagle3 options (llama_eagle3.py; speculators 0.9 trains its EAGLE-3
+with all three on by default): norm_before_residual (the layer's residual is the normed state),
+norm_before_fc (`input_norm` over the concatenated aux states, vLLM's combine_hidden_states) and
+norm_output (the state fed back to the next chained step is the final norm's output, vLLM's
+`aux_output`, instead of its input; the logits are the same either way).
 
 This module implements the draft contract of trainer/drafts/__init__.py: `Config`,
 `default_layer_ids`, `Draft`, `target_labels`, `training_step`, `Proposer`.
@@ -72,6 +79,10 @@ class Eagle3Config(TargetShape):
     norm_before_residual: bool = setting(False, "vLLM's LlamaForCausalLMEagle3 option: apply hidden_norm before "
                                                 "taking the residual; false: the EAGLE-3 reference (the residual is "
                                                 "the un-normed fused feature)")
+    norm_before_fc: bool = setting(False, "vLLM's LlamaForCausalLMEagle3 option: an RMSNorm (`input_norm`) over the "
+                                          "concatenated aux states before fc (speculators' EAGLE-3 default)")
+    norm_output: bool = setting(False, "vLLM's LlamaForCausalLMEagle3 option: feed the next chained step the final "
+                                       "norm's output instead of its input (speculators' EAGLE-3 default)")
     train_lm_head: bool = setting(True, "the LM head over the draft vocabulary trained (the EAGLE-3 reference, from "
                                         "a random init), or false: frozen as a copy of the target's rows of those "
                                         "tokens (as speculators does)")
@@ -242,7 +253,9 @@ class Eagle3Draft(nn.Module):
                              f"{cfg.target_hidden_size}: the draft shares the target's embedding")
         self.config = cfg
         H = cfg.hidden_size
-        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, H, bias=False)
+        fused = len(cfg.aux_layer_ids) * cfg.target_hidden_size
+        self.input_norm = RMSNorm(fused, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc = nn.Linear(fused, H, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
@@ -277,6 +290,17 @@ class Eagle3Draft(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head: pre-norm states [..., H] -> draft-vocabulary logits [..., Vd]."""
         return self.lm_head(self.norm(h))
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's aux states [..., L*Ht] -> the first step's state [..., H] (vLLM's
+        combine_hidden_states: input_norm first with norm_before_fc)."""
+        x = aux.to(self.fc.weight.dtype)
+        return self.fc(self.input_norm(x) if self.input_norm is not None else x)
+
+    def carry(self, out: torch.Tensor) -> torch.Tensor:
+        """A step's output (pre-norm) [..., H] -> the state the next chained step reads: itself, or
+        with norm_output the final norm's output (vLLM's `aux_output`)."""
+        return self.norm(out) if self.config.norm_output else out
 
     def step(self, input_ids, hidden, positions, cache, rows: torch.Tensor | None = None, head: bool = True):
         """One draft step. input_ids [B, T]; hidden [B, T, H] (fused aux states at step 0,
@@ -331,7 +355,7 @@ class Eagle3Proposer:
         # causal among the new positions; every query sees its own key, so hole and padding
         # rows stay finite (a fully masked row would put NaN into the cache)
         allowed[..., -T:] = (allowed[..., -T:] & causal) | torch.eye(T, dtype=torch.bool, device=tokens.device)
-        hidden = draft.fc(aux.to(draft.fc.weight.dtype))
+        hidden = draft.fuse(aux)
         embeds = draft.embed_tokens(tokens).to(hidden.dtype)
         cos, sin = draft.rotary(pos, hidden.dtype)
         out, kv = draft.midlayer.infer(embeds, hidden, cos, sin, self.past, allowed)
@@ -381,8 +405,8 @@ class Eagle3Proposer:
             pos = pos + 1
             mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.bool, device=mask.device)], 1)
             cos, sin = draft.rotary(pos, hidden.dtype)
-            hidden, kv = draft.midlayer.infer(draft.embed_tokens(x[:, None]).to(hidden.dtype), hidden, cos, sin, past,
-                                          mask[:, None, None, :])
+            hidden, kv = draft.midlayer.infer(draft.embed_tokens(x[:, None]).to(hidden.dtype), draft.carry(hidden),
+                                              cos, sin, past, mask[:, None, None, :])
             past = (torch.cat([past[0], kv[0]], 2), torch.cat([past[1], kv[1]], 2))
         return Proposal(torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1))
 
@@ -421,7 +445,7 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
     ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     p, in_vocab = labels["p"], labels["in_vocab"]
     B, T = ids.shape
-    hidden = draft.fc(batch["aux_hidden_states"].to(draft.fc.weight.dtype))  # [B, T, H]
+    hidden = draft.fuse(batch["aux_hidden_states"])  # [B, T, H]
     base_pos = torch.arange(T, device=ids.device).expand(B, T)
     cache: list = []
     spec = losses.parse_objective(cfg.loss)
@@ -442,7 +466,7 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
         tokens = shift_left(ids, 1 + k)  # [B, T] token i+1+k
         valid = shift_left(loss_mask, 2 + k).bool() & attn.bool()  # [B, T] token i+2+k is an assistant token
         b, i = valid.nonzero(as_tuple=True)  # the N positions the loss reads (i + 2 + k < T)
-        hidden, _ = draft.step(tokens, hidden, base_pos + k, cache, head=False)
+        hidden, _ = draft.step(tokens, draft.carry(hidden) if k else hidden, base_pos + k, cache, head=False)
         # [N] the target's greedy token as a draft id (-1: none; read by ce only)
         label = greedy[b, i + 1 + k] if greedy is not None else torch.full_like(b, -1)
         rows, hit, a = losses.in_row_chunks(row_objective, (hidden[valid], b * T + i + 1 + k, label),
