@@ -45,6 +45,10 @@ pytestmark = pytest.mark.slow
 N = 3  # num_speculative_tokens
 MAX_NEW = 64
 BF16_TIE = 0.25  # logit gap: two bf16 ulps at |logit| in [16, 32)
+# The EAGLE-3 draft served here has vLLM's three norm options on (speculators' EAGLE-3 defaults:
+# input_norm before fc, the normed state carried between chained steps, the normed residual), so every
+# engine below proves them; the families' drafts (tests/test_target_families.py) have them off.
+NORMS = ("draft.norm_before_fc=true", "draft.norm_output=true", "draft.norm_before_residual=true")
 
 if vllm_python() is None:
     if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
@@ -65,7 +69,7 @@ def pipeline(tmp_path_factory, smollm2):
     train.run(load_config(TrainConfig, REPO / "recipes/configs/smollm2-135m/eagle3.yaml", [
         f"data={d / 'echo'}", f"output_dir={d / 'eagle3'}", "draft.ttt_steps=3", "max_steps=60", "epochs=1000",
         "learning_rate=0.001", "optimizer=adamw", "gradient_accumulation_steps=1", "max_length=512", "warmup_steps=5",
-        "save_every=1000", "log_every=10"]))
+        "save_every=1000", "log_every=10", *NORMS]))
     out = {}
     for name, extra in (("bf16", {}), ("speculators", {"format": "speculators"}),
                         ("fp8", {"quantize": "fp8", "gate": False})):
