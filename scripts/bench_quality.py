@@ -53,7 +53,9 @@ ADAMW_RATE = 5e-4
 
 
 def run(cmd: list[str], what: str) -> None:
-    r = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    # two threads (this machine's cores) unless the caller sets OMP_NUM_THREADS: two cells side by side
+    # at one thread each share the cores without slowing each other
+    r = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, env={"OMP_NUM_THREADS": "2", **os.environ})
     if r.returncode != 0:
         raise SystemExit(f"{what} failed:\n{r.stderr[-3000:]}")
 
@@ -98,14 +100,22 @@ def budget_samples(capture: Path, budget: int, max_length: int = 1024) -> tuple[
 def variant_overrides(variant: str | None) -> list[str]:
     """A trainer's variant "LOSS-OPTIMIZER[:RATE][+OPTION...]" (fkl-adamw, lk_hybrid-muon:0.005,
     fkl-muon:0.005+norm_before_fc+norm_output) as recipe overrides (RATE: learning_rate, which Muon's
-    muon_lr follows; else the recipe's; each OPTION a draft setting turned on, or OPTION=VALUE)."""
+    muon_lr follows; else the recipe's; each OPTION a draft setting turned on, or OPTION=VALUE; an
+    OPTION=VALUE whose key is a training setting sets that: fkl-muon:0.001+lr_schedule=wsd+decay_fraction=1,
+    a linear decay)."""
+    import dataclasses
+
+    from trainer.config import TrainConfig
+
     if not variant:
         return []
     head, *options = variant.split("+")
     pair, _, rate = head.partition(":")
     loss, optimizer = pair.rsplit("-", 1)
+    top = {f.name for f in dataclasses.fields(TrainConfig)}
     return ([f"draft.loss={loss}", f"optimizer={optimizer}"] + ([f"learning_rate={rate}"] if rate else [])
-            + [f"draft.{o}" if "=" in o else f"draft.{o}=true" for o in options])
+            + [o if o.partition("=")[0] in top else f"draft.{o}" if "=" in o else f"draft.{o}=true"
+               for o in options])
 
 
 # draftsmith's objective names -> speculators 0.9's --loss-fn names (speculators/losses/utils.py)
