@@ -18,9 +18,12 @@ without a sliding window) keep it?
    it trains as many blocks per answer token as the short way does at the recipe's num_anchors (a
    long sample otherwise gets as many blocks as a short one: fewer per token, a confound); with
    per-sample every way keeps the recipe's.
-3. Measure: `draftsmith eval --context-buckets` (in-tree; its counts are vLLM's, tests/test_vllm.py),
-   greedy, at the draft's trained N, --prompts prompts per bucket built to that length (documents
-   and a question: trainer/data/buckets.py), the same prompts for every draft.
+3. Measure: as `draftsmith eval --context-buckets` measures one draft (its prompts, proposer and
+   per-bucket report: recipes/eval.py; in-tree, its counts are vLLM's, tests/test_vllm.py), greedy, at
+   the draft's trained N, --prompts prompts per bucket built to that length (documents and a
+   question: trainer/data/buckets.py), the same prompts for every draft; all ways in one process,
+   each batch prefilled once for plain decoding and every draft (trainer.speculative.measure_together:
+   at 8K the prefill is most of an eval).
 The goal (issue 43): the long-trained draft's τ at 4-8K within 10% of its τ at 1K, with the
 short-trained draft's drop beside it. Every step is skipped when its output exists: a stopped run
 continues where it stopped.
@@ -112,12 +115,36 @@ def train(cap: Path, out: Path, algorithm: str, n: int, max_length: int, extra: 
         + (["overwrite=true"] if out.exists() else []), f"train {out.name}")
 
 
-def measure(draft: Path, out: Path, buckets: str, prompts: int, max_new: int) -> dict:
-    if not (out / "report.json").is_file():
-        run([str(REPO / ".venv" / "bin" / "draftsmith"), "eval", "--draft", str(draft), "--context-buckets", buckets,
-             "--num-prompts", str(prompts), "--max-new-tokens", str(max_new), "--output-dir", str(out)],
-            f"eval {draft.name}")
-    return json.loads((out / "report.json").read_text())
+def measure(drafts: dict[str, Path], out: Path, buckets: str, prompts: int, max_new: int) -> dict[str, list]:
+    """{way: eval's per-bucket reports} for every way's draft on the same bucket prompts, each batch
+    prefilled once for the plain decode and every draft (the prefill's seconds charged to each)."""
+    path = out / "evals.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    from dataclasses import replace
+
+    from recipes._common import default_num_draft_tokens, target_for
+    from recipes.eval import bucket_prompts, make_draft
+    from trainer.config import EvalConfig
+    from trainer.metrics import bucket_report
+    from trainer.speculative import Sampling, measure_together
+    from trainer.target import load_target, resolve_target
+
+    cfg = EvalConfig(draft=str(next(iter(drafts.values()))), context_buckets=[int(b) for b in buckets.split(",")],
+                     num_prompts=prompts, max_new_tokens=max_new)
+    target = load_target(resolve_target(target_for(cfg.draft, cfg.target)))
+    sets, _ = bucket_prompts(cfg, target)
+    proposers = [make_draft(replace(cfg, draft=str(d)), target)[0] for d in drafts.values()]
+    n = default_num_draft_tokens(cfg.num_draft_tokens, proposers[0])
+    res = {way: [] for way in drafts}
+    for L, some in sets.items():
+        plain, *spec = measure_together(target, [None, *proposers], some, max_new, n,
+                                        Sampling(cfg.temperature, cfg.top_p, cfg.top_k), target.eos_token_ids,
+                                        cfg.batch_size, cfg.seed, progress=f"eval ({L}-token context)")
+        for way, s in zip(drafts, spec):
+            res[way].append(bucket_report(L, [len(p) for p in some], s, plain))
+    path.write_text(json.dumps(res, indent=1))
+    return res
 
 
 def main() -> None:
@@ -140,7 +167,7 @@ def main() -> None:
     ways = [("short", "short", []), ("long", "long", [])]
     if args.algorithm != "eagle3":
         ways.append((f"long-window{args.window}", "long", [f"draft.sliding_window={args.window}"]))
-    rows = []
+    trained = {}
     scaled = args.algorithm != "eagle3" and args.anchors == "per-token"
     if scaled:
         base = recipe_anchors(args.algorithm)
@@ -154,12 +181,16 @@ def main() -> None:
             extra = [*extra, f"draft.num_anchors={anchors}"]
         d = out / f"{args.algorithm}-{way}"
         train(caps[data], d, args.algorithm, n, LENGTHS[data], extra)
-        r = measure(d, out / f"eval-{way}", args.buckets, args.prompts, args.max_new_tokens)
-        by = {b["context"]: b for b in r["context_buckets"]}
-        rows.append({"way": way, "samples": n, "tokens": tokens, "num_anchors": anchors,
-                     "tau": {L: by[L]["tau"] for L in by}, "rounds": {L: by[L]["counts"]["num_drafts"] for L in by}})
+        trained[way] = (d, {"way": way, "samples": n, "tokens": tokens, "num_anchors": anchors})
+    evals = measure({way: d for way, (d, _) in trained.items()}, out, args.buckets, args.prompts, args.max_new_tokens)
+    rows = []
+    for way, (_, row) in trained.items():
+        by = {b["context"]: b for b in evals[way]}
+        rows.append({**row, "tau": {L: by[L]["tau"] for L in by},
+                     "rounds": {L: by[L]["counts"]["num_drafts"] for L in by},
+                     "tokens_per_s": {L: [by[L]["tokens_per_s"], by[L]["plain_tokens_per_s"]] for L in by}})
         print(json.dumps(rows[-1]), flush=True)
-        (out / "results.json").write_text(json.dumps(rows, indent=1))
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
     buckets = sorted(rows[0]["tau"])
     print(f"\n{args.algorithm} on SmolLM2-135M-Instruct, {args.budget:,} training tokens each way "
           f"(one epoch, batch 1); τ in-tree, greedy, {args.prompts} prompts x {args.max_new_tokens} new tokens "

@@ -471,22 +471,28 @@ def test_draft_sampling_applies_temperature_only_as_vllms_draft_sampler(algorith
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
 def test_decodes_sharing_one_prefill_equal_decodes_prefilling_alone(algorithm):
-    """measure_with_baseline (one prefill per batch, kept by Prefills and handed to the second
-    decode) counts and generates what the two decodes give each prefilling alone, sampled, in
-    batches; and the kept prefill was handed out once per batch."""
+    """measure_together (one prefill per batch, kept by Prefills and handed to the later decodes:
+    plain and two different drafts) counts and generates what each decode gives prefilling alone,
+    sampled, in batches; measure_with_baseline (eval's plain and speculative) is its pair; and the
+    kept prefill was handed out once per later decode of a batch."""
     from trainer.drafts.registry import get
 
     t = tiny_target()
-    d = _tiny_draft(t, algorithm)
+    d, other = _tiny_draft(t, algorithm), _tiny_draft(t, algorithm)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)  # another draft on the same aux layers
     s, prompts = Sampling(temperature=0.8, top_k=20), PROMPTS + PROMPTS[:1]
     common = dict(sampling=s, eos_token_ids=(), batch_size=2, seed=3)
-    make = lambda: get(algorithm).Proposer(d, draft_sampling="probabilistic", seed=1)  # noqa: E731
-    ar = spec.measure(t, None, prompts, 10, **common)
-    sp = spec.measure(t, make(), prompts, 10, 3, **common)
-    ar2, sp2 = spec.measure_with_baseline(t, make(), prompts, 10, 3, **common)
-    for alone, shared in ((ar, ar2), (sp, sp2)):
-        assert shared.counts() == alone.counts() and shared.generated == alone.generated
-        assert shared.rounds == alone.rounds and shared.iterations == alone.iterations
+    make = lambda draft=d: get(algorithm).Proposer(draft, draft_sampling="probabilistic", seed=1)  # noqa: E731
+    alone = [spec.measure(t, None, prompts, 10, **common), spec.measure(t, make(), prompts, 10, 3, **common),
+             spec.measure(t, make(other), prompts, 10, 3, **common)]
+    assert alone[1].counts() != alone[2].counts()  # two drafts that differ
+    together = spec.measure_together(t, [None, make(), make(other)], prompts, 10, 3, **common)
+    pair = spec.measure_with_baseline(t, make(), prompts, 10, 3, **common)
+    for a, shared in [*zip(alone, together), *zip(alone, pair)]:
+        assert shared.counts() == a.counts() and shared.generated == a.generated
+        assert shared.rounds == a.rounds and shared.iterations == a.iterations
     kept = spec.Prefills(make().aux_layer_ids)
     outs = [generate(t, PROMPTS[:2], 10, draft, 3, s, seed=3, prefills=kept)[0] for draft in (None, make(), make())]
     assert outs[1] == outs[2] and kept.reused == 2 and len(kept.kept) == 1

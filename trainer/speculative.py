@@ -486,19 +486,28 @@ def measure(target, draft: Draft | None, prompts: list[list[int]], max_new_token
     return stats
 
 
+def measure_together(target, drafts: list[Draft | None], prompts: list[list[int]], max_new_tokens: int,
+                     num_draft_tokens: int = 4, sampling: Sampling | None = None, eos_token_ids=(),
+                     batch_size: int = 1, seed: int = 0, progress: str | None = None) -> list[DecodeStats]:
+    """`measure` of each of `drafts` (None: without a draft) on the same prompts, batch by batch from
+    one prefill of each batch (`Prefills`): their merged stats, each as `measure` gives it alone (same
+    seeds, the prefill's seconds charged to every decode), at the cost of one prefill per batch
+    instead of one per draft. The drafts read the same aux layers (a prefill keeps one set)."""
+    layers = {tuple(d.aux_layer_ids) for d in drafts if d is not None and d.aux_layer_ids}
+    if len(layers) > 1:
+        raise ValueError(f"measure_together: drafts reading different aux layers {sorted(layers)}: measure apart")
+    stats = [DecodeStats(num_draft_tokens if d is not None else 0) for d in drafts]
+    for b in tqdm(range(0, len(prompts), batch_size), desc=progress, unit="batch", disable=progress is None,
+                  leave=False):
+        batch, shared = prompts[b:b + batch_size], Prefills(next(iter(layers), ()))
+        for st, draft in zip(stats, drafts):
+            st.merge(generate(target, batch, max_new_tokens, draft, num_draft_tokens, sampling, eos_token_ids,
+                              seed=seed + b, prefills=shared)[1])
+    return stats
+
+
 def measure_with_baseline(target, draft: Draft, prompts: list[list[int]], max_new_tokens: int,
-                          num_draft_tokens: int = 4, sampling: Sampling | None = None, eos_token_ids=(),
-                          batch_size: int = 1, seed: int = 0,
-                          progress: str | None = None) -> tuple[DecodeStats, DecodeStats]:
-    """`measure` without a draft and with `draft`, batch by batch from one prefill of each batch
-    (`Prefills`): the two merged stats, each as `measure` gives it alone (same seeds, the prefill's
-    seconds charged to both), at the cost of one prefill per batch instead of two."""
-    plain, spec = DecodeStats(0), DecodeStats(num_draft_tokens)
-    starts = range(0, len(prompts), batch_size)
-    for b in tqdm(starts, desc=progress, unit="batch", disable=progress is None, leave=False):
-        batch, shared = prompts[b:b + batch_size], Prefills(draft.aux_layer_ids)
-        plain.merge(generate(target, batch, max_new_tokens, None, num_draft_tokens, sampling, eos_token_ids,
-                             seed=seed + b, prefills=shared)[1])
-        spec.merge(generate(target, batch, max_new_tokens, draft, num_draft_tokens, sampling, eos_token_ids,
-                            seed=seed + b, prefills=shared)[1])
+                          num_draft_tokens: int = 4, **options) -> tuple[DecodeStats, DecodeStats]:
+    """`measure` without a draft and with `draft` from one prefill of each batch: (plain, speculative)."""
+    plain, spec = measure_together(target, [None, draft], prompts, max_new_tokens, num_draft_tokens, **options)
     return plain, spec
