@@ -59,7 +59,7 @@ from trainer.io import (
 from trainer.metrics import simulated_tau
 from trainer.online.run import open_online
 from trainer.online.sources import StreamedSamples, epoch_plan
-from trainer.optim import build_optimizers, build_schedule
+from trainer.optim import build_optimizers, build_schedule, muon_slow_here
 from trainer.target import Target, load_target, resolve_target
 from trainer.vllm.servable import check_servable
 
@@ -298,6 +298,9 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
         raise DraftsmithError("optimizer=muon does not run under DeepSpeed ZeRO (it partitions flattened gradients; "
                               "Muon orthogonalizes whole matrices): launch with DDP, or use optimizer=adamw")
     optimizers = build_optimizers(model.named_parameters(), cfg)  # AdamW, or Muon and AdamW side by side
+    slow = muon_slow_here(accelerator.device) if cfg.optimizer == "muon" else None
+    if slow and accelerator.is_main_process:
+        print(f"train: {slow}")
     schedulers = [build_schedule(o, cfg, total_steps) for o in optimizers]
     model, loader, *prepared = accelerator.prepare(model, loader, *optimizers, *schedulers)
     optimizers, schedulers = prepared[:len(optimizers)], prepared[len(optimizers):]

@@ -170,6 +170,23 @@ def test_muon_takes_the_matrices_and_wsd_holds_the_rate_until_its_decay(tmp_path
     assert r["history"][-1]["lr"] == 0.0
 
 
+def test_muon_on_a_cpu_without_bf16_matmul_is_said_in_one_line(tmp_path, tiny_capture, tiny_target_dir, capsys,
+                                                                 monkeypatch):
+    """torch's Muon orthogonalizes in bfloat16: on a CPU whose capability has no bf16 matmul (AVX2)
+    training says so in one line naming the way out; on an AVX-512 CPU, a GPU, or with AdamW, nothing."""
+    from trainer.optim import muon_slow_here
+
+    for capability, said in (("AVX2", True), ("NO AVX", True), ("AVX512", False)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert (muon_slow_here(torch.device("cpu")) is not None) == said, capability
+        assert muon_slow_here(torch.device("cuda", 0)) is None
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    for optimizer, said in (("muon", True), ("adamw", False)):
+        train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / optimizer, f"optimizer={optimizer}", "max_steps=1"))
+        lines = [line for line in capsys.readouterr().out.splitlines() if "without bfloat16 matmul" in line]
+        assert len(lines) == int(said) and (not said or "optimizer=adamw" in lines[0]), lines
+
+
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no"]
 # 4 optimizer updates of effective batch 8 (16 samples: 2 epochs), a warmup and a cosine decay,

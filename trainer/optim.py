@@ -43,6 +43,25 @@ def split_for_muon(named) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tu
     return muon, adamw
 
 
+# CPU capabilities (torch.backends.cpu.get_cpu_capability) without a native bfloat16 matmul
+SLOW_BF16 = ("DEFAULT", "NO AVX", "AVX2")
+
+
+def muon_slow_here(device: torch.device) -> str | None:
+    """One line when torch's Muon will crawl on this device, else None: its Newton-Schulz iteration
+    runs in bfloat16 (torch/optim/_muon.py), which a CPU without native bf16 matmul computes ~37x
+    slower than float32 (AVX2-only EPYC, the fc matrix [576, 1728]: 0.71 s against 0.019 s an
+    iteration; training at 20 tokens/s instead of ~330, docs/benchmarks.md)."""
+    if device.type != "cpu":
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in SLOW_BF16:
+        return None
+    return (f"optimizer=muon on a CPU without bfloat16 matmul ({capability}): torch's Muon orthogonalizes in "
+            "bfloat16, ~37x slower than float32 here, so each step is slow; optimizer=adamw learning_rate=0.0005 "
+            "trains at full speed")
+
+
 def build_optimizers(named, cfg) -> list[torch.optim.Optimizer]:
     """The optimizers of a run (`cfg`: TrainConfig): one AdamW, or Muon and AdamW side by side."""
     named = list(named)
