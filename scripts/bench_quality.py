@@ -35,6 +35,7 @@ exists, so a stopped run continues where it stopped; results.json collects what 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -103,8 +104,6 @@ def variant_overrides(variant: str | None) -> list[str]:
     muon_lr follows; else the recipe's; each OPTION a draft setting turned on, or OPTION=VALUE; an
     OPTION=VALUE whose key is a training setting sets that: fkl-muon:0.001+lr_schedule=wsd+decay_fraction=1,
     a linear decay)."""
-    import dataclasses
-
     from trainer.config import TrainConfig
 
     if not variant:

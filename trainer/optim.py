@@ -49,16 +49,16 @@ SLOW_BF16 = ("DEFAULT", "NO AVX", "AVX2")
 
 def muon_slow_here(device: torch.device) -> str | None:
     """One line when torch's Muon will crawl on this device, else None: its Newton-Schulz iteration
-    runs in bfloat16 (torch/optim/_muon.py), which a CPU without native bf16 matmul computes ~37x
-    slower than float32 (AVX2-only EPYC, the fc matrix [576, 1728]: 0.71 s against 0.019 s an
-    iteration; training at 20 tokens/s instead of ~330, docs/benchmarks.md)."""
+    runs in bfloat16 (torch/optim/_muon.py), which a CPU without native bf16 matmul computes 27-75x
+    slower than float32 at the SmolLM2 draft's shapes (AVX2-only EPYC: scripts/bench_muon_cpu.py;
+    training at 20 tokens/s instead of ~330, docs/benchmarks.md)."""
     if device.type != "cpu":
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in SLOW_BF16:
         return None
     return (f"optimizer=muon on a CPU without bfloat16 matmul ({capability}): torch's Muon orthogonalizes in "
-            "bfloat16, which such a CPU computes far slower than float32 (37x on an AVX2 EPYC), so each step is "
+            "bfloat16, which such a CPU computes far slower than float32 (27-75x on an AVX2 EPYC), so each step is "
             "slow; optimizer=adamw learning_rate=0.0005 trains at full speed")
 
 
