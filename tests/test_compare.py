@@ -251,6 +251,19 @@ def test_identical_candidates_are_never_told_apart_and_a_real_difference_is():
     assert serving.faster([31.0], [30.0]) and not serving.faster([30.5], [30.0])  # one serving: 2% decides
 
 
+def test_a_cell_beaten_by_a_steady_one_is_not_served_for_tying_a_noisy_fastest():
+    """CI's servings (stop 53): N=2 the fastest but noisy, tied with no speculation at two repeats;
+    N=1 steadily beats no speculation. Serving it would serve what a measured cell beats."""
+    from trainer import serving
+
+    plain, n1, n2 = [15.27, 14.95], [19.74, 19.96], [19.4, 21.2]
+    assert serving.faster(n1, plain) and not serving.faster(n2, plain)
+    rows = [_cell("no speculation", 0, 1, plain), _cell("eagle3", 1, 1, n1), _cell("eagle3", 2, 1, n2)]
+    rec = serving.recommend(rows, CANDIDATES, [1])[1]
+    assert (rec["best"]["candidate"], rec["best"]["n"]) == ("eagle3", 1), rec
+    assert not any(serving.faster(r["measured_runs"], n1) for r in rows)
+
+
 def test_a_draft_served_unfaithfully_is_never_recommended():
     """In float32 a candidate whose vLLM outputs differ from plain decoding's, or whose counts differ
     from the in-tree decoder's, is excluded with its reason; in bfloat16 near-ties are counted."""

@@ -80,7 +80,9 @@ def choose(cells: list[dict], simpler) -> tuple[dict, dict, str]:
     (`simpler`: a sort key, smaller = simpler) that no other cell beats beyond the noise.
     Returns (chosen, the fastest measured, why)."""
     fastest = max(cells, key=lambda c: spread(c["runs"])[0])
-    tied = [c for c in cells if not faster(fastest["runs"], c["runs"])]
+    # unbeaten by any cell, not only by the fastest: a noisy fastest can tie a cell that a steadier,
+    # slower one beats. Never empty: `faster` needs a higher mean, so the fastest is unbeaten.
+    tied = [c for c in cells if not any(faster(o["runs"], c["runs"]) for o in cells)]
     chosen = min(tied, key=simpler)
     if chosen is fastest:
         why = "the fastest, beyond the noise of every simpler configuration" if len(tied) == 1 else "the fastest"
