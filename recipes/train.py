@@ -59,7 +59,7 @@ from trainer.io import (
 from trainer.metrics import simulated_tau
 from trainer.online.run import open_online
 from trainer.online.sources import StreamedSamples, epoch_plan
-from trainer.optim import build_optimizers, build_schedule, muon_slow_here
+from trainer.optim import build_optimizers, build_schedule, muon_ns_dtype
 from trainer.target import Target, load_target, resolve_target
 from trainer.vllm.servable import check_servable
 
@@ -297,10 +297,10 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
     if cfg.optimizer == "muon" and flag("ACCELERATE_USE_DEEPSPEED"):
         raise DraftsmithError("optimizer=muon does not run under DeepSpeed ZeRO (it partitions flattened gradients; "
                               "Muon orthogonalizes whole matrices): launch with DDP, or use optimizer=adamw")
-    optimizers = build_optimizers(model.named_parameters(), cfg)  # AdamW, or Muon and AdamW side by side
-    slow = muon_slow_here(accelerator.device) if cfg.optimizer == "muon" else None
-    if slow and accelerator.is_main_process:
-        print(f"train: {slow}")
+    ns_dtype, line = muon_ns_dtype(cfg.muon_ns_dtype, accelerator.device)
+    optimizers = build_optimizers(model.named_parameters(), cfg, ns_dtype)  # AdamW, or Muon and AdamW side by side
+    if cfg.optimizer == "muon" and line and accelerator.is_main_process:
+        print(f"train: {line}")
     schedulers = [build_schedule(o, cfg, total_steps) for o in optimizers]
     model, loader, *prepared = accelerator.prepare(model, loader, *optimizers, *schedulers)
     optimizers, schedulers = prepared[:len(optimizers)], prepared[len(optimizers):]
@@ -324,6 +324,7 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
     report = {"steps": progress.step, "history": history, "final": history[-1] if history else {},
               "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
               "algorithm": cfg.algorithm, "effective": effective, "total_steps": total_steps,
+              **({"muon_ns_dtype": str(ns_dtype).removeprefix("torch.")} if cfg.optimizer == "muon" else {}),
               "tokens": tokens,  # non-padding tokens of the samples trained on, all processes
               "seconds": time.perf_counter() - t0,
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # this process

@@ -8,8 +8,9 @@ native bf16 matmul (torch.backends.cpu.get_cpu_capability() "AVX2": no AVX-512 B
 those products far slower than float32. This times, at the shapes of the SmolLM2 EAGLE-3 draft's
 matrices (H 576, I 1536, three aux layers into fc): (a) one Newton-Schulz iteration (the three
 products torch's loop runs) in float32 and in bfloat16, and (b) a whole optimizer step of
-torch.optim.Muon against torch.optim.AdamW on the same parameter. Median of --repeats after one
-warm-up, with the spread (min..max). What `trainer.optim.muon_slow_here` warns about.
+torch.optim.Muon, of draftsmith's Muon with its Newton-Schulz in float32 (trainer/optim.py, what
+muon_ns_dtype=auto takes on such a CPU) and of torch.optim.AdamW on the same parameter. Median of
+--repeats after one warm-up, with the spread (min..max).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import statistics
 import time
 
 import torch
+
+from trainer.optim import Muon
 
 # (name, rows, cols) of the draft layer's Muon matrices (trainer/drafts/eagle3.py)
 SHAPES = (("fc", 576, 1728), ("q_proj", 576, 576), ("k_proj", 192, 576), ("gate_proj", 1536, 576),
@@ -68,7 +71,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{args.threads} threads, median of {args.repeats}")
     print(f"{'matrix':<10}{'shape':>12}  {'NS iter fp32':>28}{'NS iter bf16':>28}{'x':>6}"
-          f"  {'Muon step':>28}{'AdamW step':>28}{'x':>7}")
+          f"  {'torch Muon step':>28}{'Muon fp32 step':>28}{'AdamW step':>28}{'x':>7}{'fp32 x':>7}")
     for name, rows, cols in SHAPES:
         wide = torch.randn(min(rows, cols), max(rows, cols))
         wide /= wide.norm()
@@ -76,10 +79,12 @@ def main() -> None:
         half = wide.bfloat16()
         b16 = timed(lambda w=half: ns_iteration(w), args.repeats)
         muon = step_time(torch.optim.Muon, rows, cols, args.repeats, adjust_lr_fn="match_rms_adamw")
+        muon32 = step_time(Muon, rows, cols, args.repeats, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32)
         adamw = step_time(torch.optim.AdamW, rows, cols, args.repeats)
+        m, m32, a = (statistics.median(t) for t in (muon, muon32, adamw))
         print(f"{name:<10}{f'{rows}x{cols}':>12}  {show(f32):>28}{show(b16):>28}"
-              f"{statistics.median(b16) / statistics.median(f32):>6.0f}  {show(muon):>28}{show(adamw):>28}"
-              f"{statistics.median(muon) / statistics.median(adamw):>7.0f}")
+              f"{statistics.median(b16) / statistics.median(f32):>6.0f}  {show(muon):>28}{show(muon32):>28}"
+              f"{show(adamw):>28}{m / a:>7.0f}{m32 / a:>7.1f}")
 
 
 if __name__ == "__main__":

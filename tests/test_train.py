@@ -170,21 +170,55 @@ def test_muon_takes_the_matrices_and_wsd_holds_the_rate_until_its_decay(tmp_path
     assert r["history"][-1]["lr"] == 0.0
 
 
-def test_muon_on_a_cpu_without_bf16_matmul_is_said_in_one_line(tmp_path, tiny_capture, tiny_target_dir, capsys,
-                                                                 monkeypatch):
-    """torch's Muon orthogonalizes in bfloat16: on a CPU whose capability has no bf16 matmul (AVX2)
-    training says so in one line naming the way out; on an AVX-512 CPU, a GPU, or with AdamW, nothing."""
-    from trainer.optim import muon_slow_here
+def test_muon_in_float32_is_torchs_algorithm_and_auto_takes_it_on_a_cpu_without_bf16_matmul(
+        tmp_path, tiny_capture, tiny_target_dir, capsys, monkeypatch):
+    """trainer.optim.muon_update run in bfloat16 is torch's Muon step bit for bit (wide and tall
+    matrices, Nesterov or not, both learning-rate adjustments, weight decay, three steps); in float32
+    its Newton-Schulz is the float64 iteration's to float32 rounding. muon_ns_dtype=auto takes float32
+    on a CPU whose capability has no bf16 matmul (AVX2), says so in one line, and records it; on an
+    AVX-512 CPU or a GPU it is torch's bfloat16; forcing bfloat16 on AVX2 is said to be slow."""
+    from trainer.optim import Muon, muon_ns_dtype, muon_update, newton_schulz
 
-    for capability, said in (("AVX2", True), ("NO AVX", True), ("AVX512", False)):
+    for shape, nesterov, adjust in (((6, 10), True, "match_rms_adamw"), ((12, 5), False, "original")):
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(*shape, generator=gen)
+        grads = [torch.randn(*shape, generator=gen) for _ in range(3)]
+        kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust)
+        ours, theirs = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+        mine, torchs = Muon([ours], **kw), torch.optim.Muon([theirs], **kw)
+        f32 = torch.nn.Parameter(w.clone())
+        in_f32 = Muon([f32], ns_dtype=torch.float32, **kw)
+        buf = torch.zeros_like(w)
+        for g in grads:
+            f32.grad = g.clone()
+            in_f32.step()
+            with torch.no_grad():  # the hand-written step in bfloat16, beside torch's own
+                muon_update(ours, g.clone(), buf, mine.param_groups[0], torch.bfloat16)
+            theirs.grad = g.clone()
+            torchs.step()
+            assert torch.equal(ours.data, theirs.data), (shape, nesterov, adjust)
+        assert torch.equal(buf, torchs.state[theirs]["momentum_buffer"])
+        moved = (theirs.data - w).norm()  # float32's step is torch's to its bfloat16 rounding (~1%)
+        assert (f32.data - theirs.data).norm() / moved < 0.03 and not torch.equal(f32.data, theirs.data)
+        assert torch.equal(in_f32.state[f32]["momentum_buffer"], buf)
+        g = grads[0]
+        exact = newton_schulz(g.double(), (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float64)
+        assert torch.allclose(newton_schulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32).double(), exact,
+                              atol=1e-5)
+    for capability, dtype, said in (("AVX2", torch.float32, "orthogonalizes in float32"),
+                                    ("NO AVX", torch.float32, "orthogonalizes in float32"),
+                                    ("AVX512", torch.bfloat16, None)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        assert (muon_slow_here(torch.device("cpu")) is not None) == said, capability
-        assert muon_slow_here(torch.device("cuda", 0)) is None
+        got, line = muon_ns_dtype("auto", torch.device("cpu"))
+        assert got == dtype and (line is None if said is None else said in line), capability
+        assert muon_ns_dtype("auto", torch.device("cuda", 0)) == (torch.bfloat16, None)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert "muon_ns_dtype=auto" in muon_ns_dtype("bfloat16", torch.device("cpu"))[1]
     for optimizer, said in (("muon", True), ("adamw", False)):
-        train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / optimizer, f"optimizer={optimizer}", "max_steps=1"))
-        lines = [line for line in capsys.readouterr().out.splitlines() if "without bfloat16 matmul" in line]
-        assert len(lines) == int(said) and (not said or "optimizer=adamw" in lines[0]), lines
+        r = train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / optimizer, f"optimizer={optimizer}",
+                           "max_steps=1"))
+        lines = [line for line in capsys.readouterr().out.splitlines() if "no bfloat16 matmul" in line]
+        assert len(lines) == int(said) and r.get("muon_ns_dtype") == ("float32" if said else None), lines
 
 
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",

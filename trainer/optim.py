@@ -7,7 +7,11 @@
   weight matrices of the draft's layers, and AdamW over the rest: norms, biases, vectors, and the
   embedding-like and vocabulary matrices (the head, d2t-sized tables), as Muon's authors and
   speculators 0.9 (speculators/train/optimizers.py) do. torch's own Muon is used, not a copy:
-  it is maintained with torch and runs wherever torch does (ROCm, CUDA, CPU). Muon needs each
+  it is maintained with torch and runs wherever torch does (ROCm, CUDA, CPU). It orthogonalizes in
+  bfloat16, which a CPU without bf16 matmul (AVX2) computes 27-75x slower than float32
+  (scripts/bench_muon_cpu.py): there `muon_ns_dtype=auto` takes the same algorithm with the
+  Newton-Schulz iteration in float32 (`Muon`, `muon_update`: written from Jordan et al.'s
+  reference, equal to torch's step when run in bfloat16, tests/test_train.py). Muon needs each
   matrix whole, so it does not run under DeepSpeed ZeRO (which flattens and partitions
   gradients); DDP is fine.
 - cosine: linear warmup, then cosine to 0 at the last step (transformers'
@@ -43,27 +47,100 @@ def split_for_muon(named) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tu
     return muon, adamw
 
 
+MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
 # CPU capabilities (torch.backends.cpu.get_cpu_capability) without a native bfloat16 matmul
 SLOW_BF16 = ("DEFAULT", "NO AVX", "AVX2")
 
 
-def muon_slow_here(device: torch.device) -> str | None:
-    """One line when torch's Muon will crawl on this device, else None: its Newton-Schulz iteration
-    runs in bfloat16 (torch/optim/_muon.py), which a CPU without native bf16 matmul computes 27-75x
-    slower than float32 at the SmolLM2 draft's shapes (AVX2-only EPYC: scripts/bench_muon_cpu.py;
-    training at 20 tokens/s instead of ~330, docs/benchmarks.md)."""
+def slow_bf16(device: torch.device) -> str | None:
+    """The CPU capability when `device` is a CPU without native bfloat16 matmul, else None."""
     if device.type != "cpu":
         return None
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in SLOW_BF16:
-        return None
-    return (f"optimizer=muon on a CPU without bfloat16 matmul ({capability}): torch's Muon orthogonalizes in "
-            "bfloat16, which such a CPU computes far slower than float32 (27-75x on an AVX2 EPYC), so each step is "
-            "slow; optimizer=adamw learning_rate=0.0005 trains at full speed")
+    return capability if capability in SLOW_BF16 else None
 
 
-def build_optimizers(named, cfg) -> list[torch.optim.Optimizer]:
-    """The optimizers of a run (`cfg`: TrainConfig): one AdamW, or Muon and AdamW side by side."""
+def muon_ns_dtype(setting: str, device: torch.device) -> tuple[torch.dtype, str | None]:
+    """(the dtype Muon's Newton-Schulz iteration runs in, one line to print or None) for the
+    `muon_ns_dtype` setting on `device`. torch's Muon runs it in bfloat16, which a CPU without
+    native bf16 matmul computes 27-75x slower than float32 at the SmolLM2 draft's shapes (AVX2-only
+    EPYC: scripts/bench_muon_cpu.py; training at 20 tokens/s instead of ~330, docs/benchmarks.md):
+    auto takes float32 there, and says so, since the update's rounding differs from torch's."""
+    capability = slow_bf16(device)
+    if setting == "float32" or (setting == "auto" and capability):
+        line = (f"optimizer=muon orthogonalizes in float32 on this CPU ({capability}: no bfloat16 matmul, where "
+                "torch's bfloat16 Newton-Schulz is 27-75x slower); muon_ns_dtype=bfloat16 takes torch's own"
+                if capability and setting == "auto" else None)
+        return torch.float32, line
+    if capability:
+        return torch.bfloat16, (f"optimizer=muon with muon_ns_dtype=bfloat16 on a CPU without bfloat16 matmul "
+                                f"({capability}): each step is slow (27-75x float32's Newton-Schulz on an AVX2 "
+                                "EPYC); muon_ns_dtype=auto computes it in float32")
+    return torch.bfloat16, None
+
+
+def newton_schulz(g: torch.Tensor, coefficients, steps: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """G's orthogonalization US'V^T (S' ~ 1) by the quintic Newton-Schulz iteration
+    X <- aX + (bA + cA^2)X, A = XX^T, from X = G/||G||_F, in the wide orientation (Jordan et al., 2024,
+    "Muon: an optimizer for hidden layers", github.com/KellerJordan/Muon muon.py
+    `zeropower_via_newtonschulz5`), computed in `dtype`."""
+    a, b, c = coefficients
+    tall = g.size(0) > g.size(1)
+    x = g.to(dtype)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def muon_update(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict, dtype: torch.dtype) -> None:
+    """One Muon step of weight `p` in place (Jordan et al., 2024): momentum buffer B <- mu B + (1-mu) G,
+    the update (1-mu) G + mu B with Nesterov else B, orthogonalized (`newton_schulz`), scaled by
+    the learning-rate adjustment (original: sqrt(max(1, rows/cols)), Jordan et al.; match_rms_adamw:
+    0.2 sqrt(max(rows, cols)), Liu et al., 2025, "Muon is Scalable for LLM Training" §2.2), after
+    decoupled weight decay p <- (1 - lr wd) p."""
+    mu, lr = group["momentum"], group["lr"]
+    buf.lerp_(grad, 1 - mu)
+    update = grad.lerp(buf, mu) if group["nesterov"] else buf
+    update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+    rows, cols = p.shape
+    adjust = group["adjust_lr_fn"]
+    scale = 0.2 * max(rows, cols) ** 0.5 if adjust == "match_rms_adamw" else max(1, rows / cols) ** 0.5
+    p.mul_(1 - lr * group["weight_decay"])
+    p.add_(update, alpha=-lr * scale)
+
+
+class Muon(torch.optim.Muon):
+    """torch's Muon (its arguments, checks and state: checkpoints are interchangeable) with the
+    Newton-Schulz iteration in `ns_dtype`: bfloat16 steps with torch's own code, float32 with
+    `muon_update` (the same algorithm; a CPU without bf16 matmul computes it 27-75x faster)."""
+
+    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, **kw):
+        super().__init__(params, **kw)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.ns_dtype == torch.bfloat16:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            for p, g, buf in zip(params, grads, bufs):
+                muon_update(p, g, buf, group, self.ns_dtype)
+        return loss
+
+
+def build_optimizers(named, cfg, ns_dtype: torch.dtype = torch.bfloat16) -> list[torch.optim.Optimizer]:
+    """The optimizers of a run (`cfg`: TrainConfig): one AdamW, or Muon (its Newton-Schulz in
+    `ns_dtype`: `muon_ns_dtype`) and AdamW side by side."""
     named = list(named)
     if cfg.optimizer == "adamw":
         return [torch.optim.AdamW([p for _, p in named if p.requires_grad], lr=cfg.learning_rate,
@@ -71,9 +148,8 @@ def build_optimizers(named, cfg) -> list[torch.optim.Optimizer]:
     muon, adamw = split_for_muon(named)
     out = []
     if muon:
-        out.append(torch.optim.Muon([p for _, p in muon], lr=cfg.muon_lr or cfg.learning_rate,
-                                    momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
-                                    adjust_lr_fn=cfg.muon_adjust_lr_fn))
+        out.append(Muon([p for _, p in muon], lr=cfg.muon_lr or cfg.learning_rate, momentum=cfg.muon_momentum,
+                        weight_decay=cfg.muon_weight_decay, adjust_lr_fn=cfg.muon_adjust_lr_fn, ns_dtype=ns_dtype))
     if adamw:
         out.append(torch.optim.AdamW([p for _, p in adamw], lr=cfg.learning_rate, weight_decay=cfg.weight_decay))
     return out

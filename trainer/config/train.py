@@ -10,7 +10,7 @@ from trainer.data.shards import STORE_DTYPES
 from trainer.drafts.registry import get
 from trainer.errors import ConfigError
 from trainer.layer_ids import check_layer_ids
-from trainer.optim import MUON_LR_ADJUST, OPTIMIZERS, SCHEDULES
+from trainer.optim import MUON_LR_ADJUST, MUON_NS_DTYPES, OPTIMIZERS, SCHEDULES
 from trainer.settings import setting
 from trainer.target import DEFAULT_TARGET, TARGET_DTYPES
 
@@ -107,6 +107,9 @@ class TrainConfig:
     muon_weight_decay: float = setting(0.1, "Muon's weight decay", ge=0)
     muon_adjust_lr_fn: str = setting("match_rms_adamw", "torch's Muon learning-rate adjustment: original, or "
                                                         "match_rms_adamw (AdamW's update RMS)", choices=MUON_LR_ADJUST)
+    muon_ns_dtype: str = setting("auto", "the dtype of Muon's Newton-Schulz iteration: auto (torch's bfloat16, "
+                                         "float32 on a CPU without bfloat16 matmul, where bfloat16 is 27-75x "
+                                         "slower), bfloat16, or float32", choices=MUON_NS_DTYPES)
     lr_schedule: str = setting("cosine", "the schedule: cosine (warmup, then cosine to 0), or wsd (warmup, "
                                          "constant, then linear to 0 over the last decay_fraction of the steps: a "
                                          "stable-phase checkpoint resumed with a smaller max_steps decays there)",
