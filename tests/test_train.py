@@ -205,14 +205,21 @@ def test_muon_in_float32_is_torchs_algorithm_and_auto_takes_it_on_a_cpu_without_
         exact = newton_schulz(g.double(), (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float64)
         assert torch.allclose(newton_schulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32).double(), exact,
                               atol=1e-5)
-    for capability, dtype, said in (("AVX2", torch.float32, "orthogonalizes in float32"),
-                                    ("NO AVX", torch.float32, "orthogonalizes in float32"),
-                                    ("AVX512", torch.bfloat16, None)):
+    from trainer import optim
+
+    for capability, flags, dtype in (("AVX2", None, torch.float32), ("NO AVX", None, torch.float32),
+                                     ("AVX512", None, torch.bfloat16), ("AVX2", {"avx2", "fma"}, torch.float32),
+                                     ("AVX512", {"avx512f"}, torch.float32),  # AVX-512 without its BF16
+                                     ("AVX512", {"avx512f", "avx512_bf16"}, torch.bfloat16),
+                                     ("DEFAULT", {"asimd", "bf16"}, torch.bfloat16)):  # arm64
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        monkeypatch.setattr(optim, "cpu_flags", lambda f=flags: f)
         got, line = muon_ns_dtype("auto", torch.device("cpu"))
-        assert got == dtype and (line is None if said is None else said in line), capability
+        assert got == dtype and (line is None) == (dtype == torch.bfloat16), (capability, flags)
+        assert dtype == torch.bfloat16 or "orthogonalizes in float32" in line
         assert muon_ns_dtype("auto", torch.device("cuda", 0)) == (torch.bfloat16, None)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(optim, "cpu_flags", lambda: {"avx2"})
     assert "muon_ns_dtype=auto" in muon_ns_dtype("bfloat16", torch.device("cpu"))[1]
     for optimizer, said in (("muon", True), ("adamw", False)):
         r = train.run(_cfg(tiny_capture, tiny_target_dir, tmp_path / optimizer, f"optimizer={optimizer}",

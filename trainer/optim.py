@@ -50,14 +50,33 @@ def split_for_muon(named) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tu
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
 # CPU capabilities (torch.backends.cpu.get_cpu_capability) without a native bfloat16 matmul
 SLOW_BF16 = ("DEFAULT", "NO AVX", "AVX2")
+# /proc/cpuinfo flags (x86) and Features (arm64) of a native bfloat16 matmul
+BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, or None where there is none (not Linux)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return None
 
 
 def slow_bf16(device: torch.device) -> str | None:
-    """The CPU capability when `device` is a CPU without native bfloat16 matmul, else None."""
+    """The CPU capability when `device` is a CPU without native bfloat16 matmul, else None: by its
+    flags where /proc/cpuinfo has them (an AVX-512 CPU without AVX512_BF16 has none either), else
+    by torch's capability."""
     if device.type != "cpu":
         return None
     capability = torch.backends.cpu.get_cpu_capability()
-    return capability if capability in SLOW_BF16 else None
+    flags = cpu_flags()
+    slow = capability in SLOW_BF16 if flags is None else not flags & BF16_FLAGS
+    return capability if slow else None
 
 
 def muon_ns_dtype(setting: str, device: torch.device) -> tuple[torch.dtype, str | None]:
