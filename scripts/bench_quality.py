@@ -272,8 +272,17 @@ def main() -> None:
                          "with an optional @LOSS-OPTIMIZER")
     if any(k == "speculators" for k, _ in trainers) and not PEER_PYTHON.exists():
         raise SystemExit("no .speculators-venv: run `bash scripts/setup_speculators.sh` (or drop speculators)")
-    for k, v in trainers:  # a bad variant stops here, before hours of capture
-        peer_flags(v) if k == "speculators" else variant_overrides(v)
+    from trainer.config import TrainConfig, load_config
+    from trainer.errors import DraftsmithError
+
+    for k, v in trainers:  # a bad variant (a misspelled key, a bad value) stops here, before hours of capture
+        if k == "speculators":
+            peer_flags(v)
+            continue
+        try:
+            load_config(TrainConfig, REPO / f"recipes/configs/smollm2-135m/{k}.yaml", variant_overrides(v))
+        except DraftsmithError as e:
+            raise SystemExit(f"--trainers {k}@{v}: {e}") from None
     caps = data(out, args.records, args.data.split(","))
     from trainer.data.evalsets import chat_prompt_ids, load_prompts
     from trainer.target import load_target
