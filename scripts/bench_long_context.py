@@ -126,6 +126,7 @@ def measure(drafts: dict[str, Path], out: Path, buckets: str, prompts: int, max_
     from recipes._common import default_num_draft_tokens, target_for
     from recipes.eval import bucket_prompts, make_draft
     from trainer.config import EvalConfig
+    from trainer.io import atomic_write_json
     from trainer.metrics import bucket_report
     from trainer.speculative import Sampling, measure_together
     from trainer.target import load_target, resolve_target
@@ -136,14 +137,20 @@ def measure(drafts: dict[str, Path], out: Path, buckets: str, prompts: int, max_
     sets, _ = bucket_prompts(cfg, target)
     proposers = [make_draft(replace(cfg, draft=str(d)), target)[0] for d in drafts.values()]
     n = default_num_draft_tokens(cfg.num_draft_tokens, proposers[0])
-    res = {way: [] for way in drafts}
+    # each bucket's reports kept as it is measured (an 8K bucket takes hours here): a stopped run
+    # resumes at the first bucket not measured
+    partial = out / "evals-partial.json"
+    done = json.loads(partial.read_text()) if partial.is_file() else {}
     for L, some in sets.items():
+        if str(L) in done:
+            continue
         plain, *spec = measure_together(target, [None, *proposers], some, max_new, n,
                                         Sampling(cfg.temperature, cfg.top_p, cfg.top_k), target.eos_token_ids,
                                         cfg.batch_size, cfg.seed, progress=f"eval ({L}-token context)")
-        for way, s in zip(drafts, spec):
-            res[way].append(bucket_report(L, [len(p) for p in some], s, plain))
-    path.write_text(json.dumps(res, indent=1))
+        done[str(L)] = {way: bucket_report(L, [len(p) for p in some], s, plain) for way, s in zip(drafts, spec)}
+        atomic_write_json(partial, done)
+    res = {way: [done[str(L)][way] for L in sets] for way in drafts}
+    atomic_write_json(path, res)
     return res
 
 
