@@ -8,7 +8,7 @@
   embedding-like and vocabulary matrices (the head, d2t-sized tables), as Muon's authors and
   speculators 0.9 (speculators/train/optimizers.py) do. torch's own Muon is used, not a copy:
   it is maintained with torch and runs wherever torch does (ROCm, CUDA, CPU). It orthogonalizes in
-  bfloat16, which a CPU without bf16 matmul (AVX2) computes 27-75x slower than float32
+  bfloat16, which a CPU without bf16 matmul (AVX2) computes 23-75x slower than float32
   (scripts/bench_muon_cpu.py): there `muon_ns_dtype=auto` takes the same algorithm with the
   Newton-Schulz iteration in float32 (`Muon`, `muon_update`: written from Jordan et al.'s
   reference, equal to torch's step when run in bfloat16, tests/test_train.py). Muon needs each
@@ -82,18 +82,18 @@ def slow_bf16(device: torch.device) -> str | None:
 def muon_ns_dtype(setting: str, device: torch.device) -> tuple[torch.dtype, str | None]:
     """(the dtype Muon's Newton-Schulz iteration runs in, one line to print or None) for the
     `muon_ns_dtype` setting on `device`. torch's Muon runs it in bfloat16, which a CPU without
-    native bf16 matmul computes 27-75x slower than float32 at the SmolLM2 draft's shapes (AVX2-only
+    native bf16 matmul computes 23-75x slower than float32 at the SmolLM2 draft's shapes (AVX2-only
     EPYC: scripts/bench_muon_cpu.py; training at 20 tokens/s instead of ~330, docs/benchmarks.md):
     auto takes float32 there, and says so, since the update's rounding differs from torch's."""
     capability = slow_bf16(device)
     if setting == "float32" or (setting == "auto" and capability):
         line = (f"optimizer=muon orthogonalizes in float32 on this CPU ({capability}: no bfloat16 matmul, where "
-                "torch's bfloat16 Newton-Schulz is 27-75x slower); muon_ns_dtype=bfloat16 takes torch's own"
+                "torch's bfloat16 Newton-Schulz is 23-75x slower); muon_ns_dtype=bfloat16 takes torch's own"
                 if capability and setting == "auto" else None)
         return torch.float32, line
     if capability:
         return torch.bfloat16, (f"optimizer=muon with muon_ns_dtype=bfloat16 on a CPU without bfloat16 matmul "
-                                f"({capability}): each step is slow (27-75x float32's Newton-Schulz on an AVX2 "
+                                f"({capability}): each step is slow (23-75x float32's Newton-Schulz on an AVX2 "
                                 "EPYC); muon_ns_dtype=auto computes it in float32")
     return torch.bfloat16, None
 
@@ -135,7 +135,7 @@ def muon_update(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: d
 class Muon(torch.optim.Muon):
     """torch's Muon (its arguments, checks and state: checkpoints are interchangeable) with the
     Newton-Schulz iteration in `ns_dtype`: bfloat16 steps with torch's own code, float32 with
-    `muon_update` (the same algorithm; a CPU without bf16 matmul computes it 27-75x faster)."""
+    `muon_update` (the same algorithm; a CPU without bf16 matmul computes it 23-75x faster)."""
 
     def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, **kw):
         super().__init__(params, **kw)

@@ -108,7 +108,7 @@ class TrainConfig:
     muon_adjust_lr_fn: str = setting("match_rms_adamw", "torch's Muon learning-rate adjustment: original, or "
                                                         "match_rms_adamw (AdamW's update RMS)", choices=MUON_LR_ADJUST)
     muon_ns_dtype: str = setting("auto", "the dtype of Muon's Newton-Schulz iteration: auto (torch's bfloat16, "
-                                         "float32 on a CPU without bfloat16 matmul, where bfloat16 is 27-75x "
+                                         "float32 on a CPU without bfloat16 matmul, where bfloat16 is 23-75x "
                                          "slower), bfloat16, or float32", choices=MUON_NS_DTYPES)
     lr_schedule: str = setting("cosine", "the schedule: cosine (warmup, then cosine to 0), or wsd (warmup, "
                                          "constant, then linear to 0 over the last decay_fraction of the steps: a "
