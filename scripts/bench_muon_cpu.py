@@ -17,33 +17,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from trainer.optim import Muon
+from trainer.optim import NS_COEFFICIENTS, Muon, newton_schulz
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fp8_matmul import timed  # noqa: E402 (the scripts folder, put on the path above)
 
 # (name, rows, cols) of the draft layer's Muon matrices (trainer/drafts/eagle3.py)
 SHAPES = (("fc", 576, 1728), ("q_proj", 576, 576), ("k_proj", 192, 576), ("gate_proj", 1536, 576),
           ("down_proj", 576, 1536))
-# the quintic coefficients torch's Muon uses by default (Jordan et al., 2024)
-A, B, C = 3.4445, -4.7750, 2.0315
 
 
-def timed(fn, repeats: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
-
-
-def ns_iteration(x: torch.Tensor) -> torch.Tensor:
-    """One Newton-Schulz iteration as torch/optim/_muon.py writes it (x: the wide orientation)."""
-    gram = x @ x.T
-    return torch.addmm(x, torch.addmm(gram, gram, gram, beta=B, alpha=C), x, beta=A)
+def ns_iteration(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One Newton-Schulz iteration in `dtype`, as draftsmith's float32 Muon runs it (the same three
+    products as torch/optim/_muon.py's loop, after the cast and the normalization)."""
+    return newton_schulz(x, NS_COEFFICIENTS, 1, 1e-7, dtype)
 
 
 def step_time(optimizer_cls, rows: int, cols: int, repeats: int, **kw) -> list[float]:
@@ -75,9 +67,9 @@ def main() -> None:
     for name, rows, cols in SHAPES:
         wide = torch.randn(min(rows, cols), max(rows, cols))
         wide /= wide.norm()
-        f32 = timed(lambda w=wide: ns_iteration(w), args.repeats)
+        f32 = timed(lambda w=wide: ns_iteration(w, torch.float32), args.repeats)
         half = wide.bfloat16()
-        b16 = timed(lambda w=half: ns_iteration(w), args.repeats)
+        b16 = timed(lambda w=half: ns_iteration(w, torch.bfloat16), args.repeats)
         muon = step_time(torch.optim.Muon, rows, cols, args.repeats, adjust_lr_fn="match_rms_adamw")
         muon32 = step_time(Muon, rows, cols, args.repeats, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32)
         adamw = step_time(torch.optim.AdamW, rows, cols, args.repeats)

@@ -177,7 +177,7 @@ def test_muon_in_float32_is_torchs_algorithm_and_auto_takes_it_on_a_cpu_without_
     its Newton-Schulz is the float64 iteration's to float32 rounding. muon_ns_dtype=auto takes float32
     on a CPU whose capability has no bf16 matmul (AVX2), says so in one line, and records it; on an
     AVX-512 CPU or a GPU it is torch's bfloat16; forcing bfloat16 on AVX2 is said to be slow."""
-    from trainer.optim import Muon, muon_ns_dtype, muon_update, newton_schulz
+    from trainer.optim import NS_COEFFICIENTS, Muon, muon_ns_dtype, muon_update, newton_schulz
 
     for shape, nesterov, adjust in (((6, 10), True, "match_rms_adamw"), ((12, 5), False, "original")):
         gen = torch.Generator().manual_seed(0)
@@ -202,9 +202,8 @@ def test_muon_in_float32_is_torchs_algorithm_and_auto_takes_it_on_a_cpu_without_
         assert (f32.data - theirs.data).norm() / moved < 0.03 and not torch.equal(f32.data, theirs.data)
         assert torch.equal(in_f32.state[f32]["momentum_buffer"], buf)
         g = grads[0]
-        exact = newton_schulz(g.double(), (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float64)
-        assert torch.allclose(newton_schulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32).double(), exact,
-                              atol=1e-5)
+        exact = newton_schulz(g.double(), NS_COEFFICIENTS, 5, 1e-7, torch.float64)
+        assert torch.allclose(newton_schulz(g, NS_COEFFICIENTS, 5, 1e-7, torch.float32).double(), exact, atol=1e-5)
     from trainer import optim
 
     for capability, flags, dtype in (("AVX2", None, torch.float32), ("NO AVX", None, torch.float32),

@@ -232,7 +232,7 @@ def test_the_same_draft_trains_on_either_capture(captures, tmp_path):
             f"data={captures / engine}", f"output_dir={tmp_path / engine}", "max_steps=20", "epochs=100",
             "draft.ttt_steps=3", "gradient_accumulation_steps=1", "log_every=2", "save_every=1000",
             "max_length=512",
-            # AdamW, not the recipe's Muon: a Muon step costs 5-20x an AdamW step here even with its
+            # AdamW, not the recipe's Muon: a Muon step costs 6.5-20x an AdamW step here even with its
             # Newton-Schulz in float32 (scripts/bench_muon_cpu.py); the two captures' equality does not
             # depend on the optimizer
             "optimizer=adamw", "learning_rate=0.0005"]))

@@ -24,6 +24,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import get_cosine_schedule_with_warmup, get_wsd_schedule
 
@@ -48,6 +50,8 @@ def split_for_muon(named) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tu
 
 
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
+# torch's Muon's quintic Newton-Schulz coefficients (a, b, c), its default (Jordan et al., 2024)
+NS_COEFFICIENTS = inspect.signature(torch.optim.Muon).parameters["ns_coefficients"].default
 # CPU capabilities (torch.backends.cpu.get_cpu_capability) without a native bfloat16 matmul
 SLOW_BF16 = ("DEFAULT", "NO AVX", "AVX2")
 # /proc/cpuinfo flags (x86) and Features (arm64) of a native bfloat16 matmul
