@@ -21,8 +21,8 @@ exists, so a stopped run continues where it stopped; results.json collects what 
    engine, bfloat16, the layers of EAGLE-3 and DFlash).
 2. Budgets: for budget B, the first n_B samples of the capture whose tokens reach B. Every trainer
    trains one epoch over exactly those samples, batch 1 (the peer packs them into --max-length
-   rows, as it does), the recipe's optimizer and rate (Muon at 5e-3 since issue 41, AdamW at 5e-4
-   before) unless a variant names its own, EAGLE-3 with 3 TTT steps and the
+   rows, as it does), the recipe's optimizer, rate and schedule (docs/benchmarks.md says which recipe
+   each cell ran on) unless a variant names its own, EAGLE-3 with 3 TTT steps and the
    target's draft rows as a frozen head (what the peer trains), DFlash as its recipe.
 3. Measure: greedy, --prompts GSM8K and --prompts MT-Bench prompts, --max-new-tokens each. EAGLE-3
    drafts (draftsmith's BF16 export, the peer's checkpoint as it saved it) are served by vLLM
