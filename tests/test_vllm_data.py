@@ -35,10 +35,12 @@ REGEN = ["source=mtbench-chats", "max_records=10", "max_length=512", "regenerate
          "regenerate.max_new_tokens=40", "regenerate.max_model_len=125", "regenerate.concurrency=4"]
 
 
+# The stages run here compute with one thread, as the worker that starts them does (tests/conftest.py):
+# under `make test` the other worker holds the other core, and two threads here slow both.
 def _prepare(out, *extra, env=None):
     return subprocess.run([sys.executable, str(REPO / "recipes" / "prepare.py"), f"output_dir={out}", *REGEN, *extra],
                           capture_output=True, text=True, cwd=REPO, timeout=1200,
-                          env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 NEAR_TIE = 1e-2  # logits: fp32 CPU kernels of HF and vLLM agree to ~1e-5 relative
@@ -151,7 +153,7 @@ def captures(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-2000:]
     common = [str(REPO / "recipes" / "capture.py"), f"data={d / 'prepared'}", "drafts=[eagle3,dflash]",
               "target_dtype=float32", "store_dtype=float32", "samples_per_shard=4", "draft_vocab_size=2048"]
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     hf = subprocess.run([sys.executable, *common, f"output_dir={d / 'hf'}"], capture_output=True, text=True, cwd=REPO,
                         timeout=900, env=env)
     assert hf.returncode == 0, hf.stderr[-2000:]
