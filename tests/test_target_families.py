@@ -589,9 +589,11 @@ def test_a_base_models_drafts_carry_their_datas_template(family_runs, tmp_path, 
     tok = load_target(str(target_dir)).tokenizer
     texts = load_prompts("mtbench", 2)
     assert chat_prompt_ids(tok, texts, GEMMA_TURNS) != chat_prompt_ids(tok, texts, plain=True)  # they differ
-    # the FP8 gate decodes the same templated prompts (the target alone has none to give)
+    # the FP8 gate decodes the same templated prompts (the target alone has none to give); its verdict on
+    # this tiny draft's 2 prompts is noise (an 11% drop on one CI CPU), so the tolerance is wide: checked
+    # here is what the gate decodes, not what it decides (tests/test_export.py holds the verdict)
     export_recipe.main(["--draft", str(d / "eagle3"), "--output-dir", str(tmp_path / "fp8"), "--quantize", "fp8",
-                        "--gate-prompts", "2"])
+                        "--gate-prompts", "2", "--max-tau-drop", "0.99"])
     gate = json.loads((tmp_path / "fp8" / "draftsmith_export.json").read_text())["gate"]
     assert gate["prompts"] == 2 and gate["tau_bf16"] >= 1
 
