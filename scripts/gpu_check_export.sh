@@ -56,7 +56,7 @@ EOF
 import json, sys
 from pathlib import Path
 import torch
-from recipes._common import load_proposer
+from export.load import load_proposer
 from trainer.speculative import measure
 from trainer.target import load_target
 from trainer.vllm.checks import greedy_divergences

@@ -1,11 +1,15 @@
 """The house rules a contributor must keep (docs/design.md, "The parts and the arrows"), read from
 the code's own imports: the packages import only downward, no module imports itself back
 through others, imports stand at the top of a module unless a heavy optional dependency needs
-them lazy (named below, with the reason), no recipe file can shadow a package, and every recipe
-runs by path from any folder with the installed draftsmith."""
+them lazy (named below, with the reason), no recipe file can shadow a package, every recipe
+runs by path from any folder with the installed draftsmith, and every name the scripts import from
+draftsmith (benchmarks and GPU checks no test runs) is where they look for it."""
 
 import ast
+import importlib
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -187,3 +191,34 @@ def test_every_recipe_runs_by_path_from_anywhere(tmp_path):
     for name, p in procs.items():
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0 and "usage:" in out, (name, err[-2000:])
+
+
+def _script_imports():
+    """(file, line, module, name) for each `from <draftsmith package> import name` in scripts/: the
+    Python files' (at any depth: the benchmarks import lazily) and the Python heredocs of the shell
+    scripts (the GPU checks, which no CI machine runs)."""
+    found = []
+    for path in sorted((REPO / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+                found += [(path.name, node.lineno, node.module, a.name) for a in node.names]
+    roots = "|".join(PACKAGES)
+    pattern = re.compile(rf"^\s*from ((?:{roots})[\w.]*) import ([\w, ]+)$")
+    for path in sorted((REPO / "scripts").glob("*.sh")):
+        for n, text in enumerate(path.read_text().splitlines(), 1):
+            if m := pattern.match(text):
+                found += [(path.name, n, m.group(1), name.strip()) for name in m.group(2).split(",")]
+    return found
+
+
+def test_every_name_the_scripts_import_from_draftsmith_exists():
+    """A function moved between modules breaks the scripts no test runs (benchmarks, GPU checks) only
+    when someone runs them: every name they import from draftsmith must be found where they look."""
+    found, missing = _script_imports(), []
+    for where, line, module, name in found:
+        mod = importlib.import_module(module)
+        submodule = hasattr(mod, "__path__") and importlib.util.find_spec(f"{module}.{name}") is not None
+        if not hasattr(mod, name) and not submodule:
+            missing.append(f"scripts/{where}:{line}: {module} has no {name}")
+    assert any(w.endswith(".sh") for w, *_ in found) and len(found) > 20, found  # the scan sees them
+    assert not missing, missing
