@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from runner_common import beside_draftsmith
+from runner_common import beside_draftsmith, inspect_models_in_process
 
 
 def main() -> None:
@@ -52,6 +52,7 @@ def main() -> None:
     with open(args.settings) as f:
         cfg = json.load(f)
     beside_draftsmith()  # the connector for vLLM (and its TP workers) by name; draftsmith's shard writer
+    inspect_models_in_process()
 
     from safetensors.torch import load_file
 

@@ -67,6 +67,8 @@ import os
 import sys
 import time
 
+from runner_common import inspect_models_in_process
+
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
@@ -405,6 +407,7 @@ def main() -> None:
     ap.add_argument("--jobs", required=True, help="a JSON list of jobs (the module docstring)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    inspect_models_in_process()
     with open(args.jobs) as f:
         jobs = json.load(f)
     for job in jobs:

@@ -41,7 +41,7 @@ import json
 import os
 import sys
 
-from runner_common import one_rank_world
+from runner_common import inspect_models_in_process, one_rank_world
 
 
 def main() -> None:
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=None)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    inspect_models_in_process()
     if args.jobs:
         with open(args.jobs) as f:
             jobs = [argparse.Namespace(**{"dtype": "float32", "num_speculative_tokens": None, **job})

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from runner_common import beside_draftsmith
+from runner_common import beside_draftsmith, inspect_models_in_process
 
 
 def end_group(signum=signal.SIGTERM, frame=None) -> None:
@@ -93,6 +93,7 @@ def main() -> None:
     with open(args.settings) as f:
         settings = json.load(f)
     beside_draftsmith()  # the connector and the states engine; draftsmith's shard writer and wire format
+    inspect_models_in_process()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
     import ray

@@ -37,6 +37,8 @@ import os
 import sys
 import time
 
+from runner_common import inspect_models_in_process
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,6 +67,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.platforms import current_platform
 
+    inspect_models_in_process()
     eager = req.get("enforce_eager")
     llm = LLM(model=args.target, tokenizer=args.target, dtype=req.get("dtype", "float32"),
               enforce_eager=current_platform.is_cpu() if eager is None else eager,
