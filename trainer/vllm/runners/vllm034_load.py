@@ -28,7 +28,7 @@ import json
 import os
 import sys
 
-from runner_common import one_rank_world
+from runner_common import inspect_models_in_process, one_rank_world
 
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # before vllm is imported: else no platform resolves
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -51,25 +51,6 @@ def patch_triton_check() -> None:
             tu.HAS_TRITON = saved
 
     CpuPlatform.check_and_update_config = classmethod(check)
-
-
-def fill_model_infos() -> None:
-    """On a miss in its model-info cache vLLM inspects the class in a subprocess of its own (~7 s a
-    class here: a fresh machine's first load check pays it for the target's and the draft's);
-    0.34's ModelRegistry.fill_model_info_cache inspects every class it registers in one (12 s for
-    all 255 here). Done once per vLLM cache: a marker beside vLLM's own model infos."""
-    import vllm
-    from vllm import envs
-    from vllm.model_executor.models import ModelRegistry
-
-    fill = getattr(ModelRegistry, "fill_model_info_cache", None)
-    marker = os.path.join(envs.VLLM_CACHE_ROOT, f"draftsmith-modelinfos-filled-{vllm.__version__}")
-    if fill is None or os.path.exists(marker):
-        return
-    fill()  # best effort (vLLM's): a class it could not inspect is inspected alone when built
-    os.makedirs(envs.VLLM_CACHE_ROOT, exist_ok=True)
-    with open(marker, "w"):
-        pass
 
 
 def load(job: dict) -> dict:
@@ -127,7 +108,7 @@ def main() -> None:
     with open(args.jobs) as f:
         jobs = json.load(f)
     patch_triton_check()
-    fill_model_infos()
+    inspect_models_in_process()  # after the patch: the platform 0.34 sees here is the CPU
     for job in jobs:
         try:
             result = load(job)
