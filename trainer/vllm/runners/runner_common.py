@@ -45,7 +45,8 @@ def inspect_models_in_process() -> None:
     class here, paid by a fresh machine's first engine of each class (14 classes in the test suite).
     vLLM's CPU build has no CUDA to keep out of this process: there it inspects here, importing the one
     model module, and writes the same cache entry (vllm/model_executor/models/registry.py,
-    `_run_in_subprocess`, which 0.32 calls only from `inspect_model_cls`). Elsewhere nothing changes."""
+    `_run_in_subprocess`: 0.32 and 0.34 call it from `inspect_model_cls`, 0.34 also from
+    `fill_model_info_cache`, which draftsmith does not call). Elsewhere nothing changes."""
     from vllm.model_executor.models import registry
     from vllm.platforms import current_platform
 
