@@ -9,6 +9,7 @@ layers and on the final norm.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import torch
 from accelerate import init_empty_weights
 from gguf import GGUFReader
@@ -156,8 +158,7 @@ def read_license(source: TargetSource) -> str | None:
     `license:` of an HF dir's README front matter. None when unknown."""
     try:
         if source.kind == "gguf":
-            field = GGUFReader(str(source.path)).fields.get("general.license")
-            return str(field.contents()) if field is not None else None
+            return _gguf_license(GGUFReader(str(source.path)))
         readme = source.path / "README.md"
         if readme.is_file():
             text = readme.read_text(errors="replace")
@@ -168,6 +169,34 @@ def read_license(source: TargetSource) -> str | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def _gguf_license(reader: GGUFReader) -> str | None:
+    field = reader.fields.get("general.license")
+    return str(field.contents()) if field is not None else None
+
+
+@contextlib.contextmanager
+def _each_gguf_parsed_once():
+    """Within the block, `gguf.GGUFReader(path)` parses a file once and hands the same reader to
+    every later caller. transformers parses a GGUF's whole metadata (its token list: Gemma-3's
+    262,144 tokens, ~10 s at one thread) in each of its loaders, four times for one conversion
+    (the tokenizer, the model, its config twice); the reader is read-only (a memmap), so one serves
+    them all. Yields the memoizing constructor."""
+    made: dict = {}
+    original = gguf.GGUFReader
+
+    def parsed_once(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in made:
+            made[key] = original(path, mode)
+        return made[key]
+
+    gguf.GGUFReader = parsed_once  # transformers imports it from gguf at each call
+    try:
+        yield parsed_once
+    finally:
+        gguf.GGUFReader = original
 
 
 def converted_license(source: TargetSource, hf_dir: Path, digest: str) -> str | None:
@@ -212,9 +241,11 @@ def gguf_to_hf_dir(source: TargetSource, digest: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
     try:
         gdir, gfile = str(source.path.parent), source.path.name
-        tokenizer = AutoTokenizer.from_pretrained(gdir, gguf_file=gfile)
-        loaded = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gfile, dtype=torch.float32)
-        config = AutoConfig.from_pretrained(gdir, gguf_file=gfile)
+        with _each_gguf_parsed_once() as reader:
+            tokenizer = AutoTokenizer.from_pretrained(gdir, gguf_file=gfile)
+            loaded = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gfile, dtype=torch.float32)
+            config = AutoConfig.from_pretrained(gdir, gguf_file=gfile)
+            license_id = _gguf_license(reader(str(source.path)))
         config.quantization_config = None
         if hasattr(config, "_name_or_path"):
             config._name_or_path = source.name
@@ -223,7 +254,7 @@ def gguf_to_hf_dir(source: TargetSource, digest: str) -> Path:
         rebuilt.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "draftsmith_source.json").write_text(json.dumps(
-            {"gguf": str(source.path), "sha256": digest, "name": source.name, "license": read_license(source)},
+            {"gguf": str(source.path), "sha256": digest, "name": source.name, "license": license_id},
             indent=2))
         try:
             os.rename(tmp, out)
