@@ -236,3 +236,43 @@ def test_negative_chunks_are_refused():
     for name in ("loss_chunk_rows", "attention_chunk"):
         with pytest.raises(ConfigError, match=f"draft.{name}=-1; use >= 0 "):
             load_section(Eagle3Config, {name: -1}, "draft")
+
+
+def test_loss_on_all_trains_every_real_position(tiny_target):
+    """`loss_on: all` trains where the sample is real, prompt included: its labels and its step equal
+    `loss_on: assistant` given a loss mask that covers the whole sample; and they differ from the
+    assistant-only step on the sample as written (the setting does something)."""
+    import dataclasses
+
+    from trainer.capture import capture_batch
+    from trainer.drafts import eagle3
+    from trainer.drafts.registry import build
+
+    cfg = eagle3.Config(ttt_steps=3, draft_vocab_size=None).fill_from_target(
+        tiny_target.model.config, [1, 2, 3], tiny_target.vocab_size)
+    ids = torch.arange(5, 45).reshape(2, 20)
+    attn = torch.ones_like(ids)
+    attn[1, 15:] = 0
+    loss_mask = attn.clone()
+    loss_mask[:, :8] = 0
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask,
+             **capture_batch(tiny_target, ids, attn, cfg.aux_layer_ids)}
+    every = {**batch, "loss_mask": attn.clone()}
+    runs = {}
+    for name, loss_on, b in (("all", "all", batch), ("assistant, all masked in", "assistant", every),
+                             ("assistant", "assistant", batch)):
+        torch.manual_seed(0)
+        draft = build("eagle3", dataclasses.replace(cfg, loss_on=loss_on), tiny_target)
+        draft.set_vocab(torch.zeros(tiny_target.vocab_size, dtype=torch.long),
+                        torch.ones(tiny_target.vocab_size, dtype=torch.bool))
+        labels = eagle3.target_labels(tiny_target, b, draft)
+        m = eagle3.training_step(draft, b, labels)
+        m.loss.backward()
+        runs[name] = (labels["p"], m, {n: p.grad for n, p in draft.named_parameters() if p.grad is not None})
+    (p_all, m_all, g_all), (p_ref, m_ref, g_ref), (_, m_asst, _) = runs.values()
+    assert torch.equal(p_all, p_ref) and torch.equal(m_all.count, m_ref.count)
+    torch.testing.assert_close(m_all.loss, m_ref.loss)
+    for n in g_ref:
+        torch.testing.assert_close(g_all[n], g_ref[n], msg=n)
+    assert (m_all.count > m_asst.count).all()  # step k: positions i with i+2+k a real token, not only an answer's
+    assert m_all.count.tolist() == [sum(max(n - 2 - k, 0) for n in (20, 15)) for k in range(3)]
