@@ -324,6 +324,7 @@ def _train(cfg: TrainConfig, argv, accelerator, out: Path, source) -> dict:
     report = {"steps": progress.step, "history": history, "final": history[-1] if history else {},
               "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
               "algorithm": cfg.algorithm, "effective": effective, "total_steps": total_steps,
+              "optimization": optimization(cfg),
               **({"muon_ns_dtype": str(ns_dtype).removeprefix("torch.")} if cfg.optimizer == "muon" else {}),
               "tokens": tokens,  # non-padding tokens of the samples trained on, all processes
               "seconds": time.perf_counter() - t0,
@@ -504,6 +505,18 @@ def save_checkpoint(accelerator, model, out: Path, index: int, keep_last: int) -
         for old in complete_checkpoints(out)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def optimization(cfg) -> dict:
+    """What the draft was trained toward and with (the report's, and so the model card's): the
+    objective and where it was read, the optimizer, its rates and the schedule."""
+    out = {"loss": cfg.draft.loss, "optimizer": cfg.optimizer, "learning_rate": cfg.learning_rate,
+           "lr_schedule": cfg.lr_schedule}
+    if getattr(cfg.draft, "loss_on", None):
+        out["loss_on"] = cfg.draft.loss_on
+    if cfg.optimizer == "muon":
+        out["muon_lr"] = cfg.muon_lr or cfg.learning_rate
+    return out
 
 
 def _checkpoint_dir(out: Path, resume: str) -> str:

@@ -66,6 +66,9 @@ def test_dry_run_prints_the_plan_and_card_offline(tiny_export, no_token, monkeyp
     assert "| draft sampling |" in card and method in card
     assert '"method": "eagle3", "model": "me/tiny-eagle3"' in card  # the serve command
     assert "eval/acceptance.png" in card and "## Provenance" in card and "## Training" in card
+    cfg = load_config(TrainConfig, REPO / "recipes/configs/tiny/eagle3.yaml")  # what the draft trained toward, with
+    assert (f"- objective `{cfg.draft.loss}` at the answers' positions; optimizer {cfg.optimizer} at "
+            f"{cfg.learning_rate:g}, schedule {cfg.lr_schedule}\n") in card
     assert "nothing was uploaded" in out
 
 
