@@ -95,3 +95,29 @@ def test_a_target_given_by_a_relative_path_is_recorded_absolute(tiny_target_dir,
     monkeypatch.chdir(tiny_target_dir.parent)
     t = load_target(tiny_target_dir.name)
     assert t.spec == str(tiny_target_dir.resolve()) and t.path == str(tiny_target_dir.resolve())
+
+
+def test_a_gguf_is_parsed_once_within_a_conversion_and_anew_after_it(tmp_path):
+    """gguf_to_hf_dir's loaders (transformers' tokenizer, model and config, and the license read) share
+    one parse of the file within the conversion; after it (also when it fails), readers are gguf's own."""
+    import gguf
+    import numpy as np
+
+    from trainer.target import _each_gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("general.license", "apache-2.0")
+    w.add_tensor("t", np.arange(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with _each_gguf_parsed_once() as reader:
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first is reader(str(tmp_path / "." / "tiny.gguf"))
+        assert str(first.fields["general.license"].contents()) == "apache-2.0"
+    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader and gguf.GGUFReader(str(path)) is not first
+    with pytest.raises(ValueError), _each_gguf_parsed_once():
+        raise ValueError("a failed conversion")
+    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader
