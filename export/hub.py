@@ -323,11 +323,13 @@ def build_card(root: Path, manifest: dict, repo_id: str, base_model: str | None 
                   f"({train_report['distributed_type']}), {train_report['seconds'] / 60:.1f} min; final loss "
                   f"{f.get('loss', float('nan')):.3f}, simulated τ {f.get('tau', float('nan')):.2f}"]
         o = train_report.get("optimization")
-        if o:  # the objective, the optimizer and the schedule the draft was trained with
+        if o:  # the objective (the draft's config), the optimizer and the schedule it was trained with
             rate = f"{o['optimizer']} at {o.get('muon_lr', o['learning_rate']):g}" + (
                 f" (AdamW at {o['learning_rate']:g} on norms and tables)" if o["optimizer"] == "muon" else "")
-            where = {"all": " at every position", "assistant": " at the answers' positions"}.get(o.get("loss_on"), "")
-            lines += [f"- objective `{o['loss']}`{where}; optimizer {rate}, schedule {o['lr_schedule']}"]
+            draft = manifest["draft"]
+            where = {"all": " at every position", "assistant": " at the answers' positions"}.get(
+                draft.get("loss_on"), "")
+            lines += [f"- objective `{draft['loss']}`{where}; optimizer {rate}, schedule {o['lr_schedule']}"]
     data_desc = manifest.get("data")
     if isinstance(data_desc, dict):
         data_desc = ", ".join(f"{k}: {v}" for k, v in data_desc.items())

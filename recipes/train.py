@@ -508,12 +508,9 @@ def save_checkpoint(accelerator, model, out: Path, index: int, keep_last: int) -
 
 
 def optimization(cfg) -> dict:
-    """What the draft was trained toward and with (the report's, and so the model card's): the
-    objective and where it was read, the optimizer, its rates and the schedule."""
-    out = {"loss": cfg.draft.loss, "optimizer": cfg.optimizer, "learning_rate": cfg.learning_rate,
-           "lr_schedule": cfg.lr_schedule}
-    if getattr(cfg.draft, "loss_on", None):
-        out["loss_on"] = cfg.draft.loss_on
+    """How the draft was trained (the report's, and so the model card's): the optimizer, its rates and
+    the schedule. The objective is the draft's own config (`draft.loss`, `draft.loss_on`)."""
+    out = {"optimizer": cfg.optimizer, "learning_rate": cfg.learning_rate, "lr_schedule": cfg.lr_schedule}
     if cfg.optimizer == "muon":
         out["muon_lr"] = cfg.muon_lr or cfg.learning_rate
     return out

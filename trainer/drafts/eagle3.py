@@ -473,7 +473,7 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
 
     for k in range(cfg.ttt_steps):
         tokens = shift_left(ids, 1 + k)  # [B, T] token i+1+k
-        valid = shift_left(loss_mask, 2 + k).bool() & attn.bool()  # [B, T] token i+2+k is an assistant token
+        valid = shift_left(loss_mask, 2 + k).bool() & attn.bool()  # [B, T] token i+2+k is trained (loss_on)
         b, i = valid.nonzero(as_tuple=True)  # the N positions the loss reads (i + 2 + k < T)
         hidden, _ = draft.step(tokens, draft.carry(hidden) if k else hidden, base_pos + k, cache, head=False)
         # [N] the target's greedy token as a draft id (-1: none; read by ce only)
@@ -506,7 +506,7 @@ def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024) ->
     draft_ids = draft.draft_to_target()
     last = batch["last_hidden_state"]
     B, T, _ = last.shape
-    # training_step reads p[j] only where token j+1 is an assistant token: the rest stays 0
+    # training_step reads p[j] only where token j+1 is trained (`loss_on`): the rest stays 0
     need = shift_left(supervised(batch, draft.config), 1).bool()  # [B, T]
     p = torch.zeros(B, T, draft_ids.numel(), dtype=torch.float32, device=last.device)
     if need.any():  # the target's head rows of the draft vocabulary, and its family's logit transform
