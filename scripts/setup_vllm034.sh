@@ -17,29 +17,25 @@ PYTHON=${PYTHON:-python3}
 VENV=.vllm034-venv
 VERSION=0.34.0
 stamp="$VENV/.draftsmith-setup"
-want=$(cat scripts/setup_vllm034.sh | sha256sum | cut -c1-16)
+want=$(cat scripts/setup_vllm034.sh scripts/_install.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+. scripts/_install.sh
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-echo "setup-vllm034: vllm==$VERSION (the GPU wheel, its CPU-buildable part) into $VENV (~3.4 GB, a few minutes)"
-"$VENV/bin/python" -m pip download --quiet --no-deps "vllm==$VERSION" -d "$work"
-wheel=$(ls "$work"/vllm-"$VERSION"-*.whl)
-"$VENV/bin/python" - "$wheel" > "$work/reqs_all.txt" <<'PY'
-import sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z:
-    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-    for line in z.read(meta).decode().splitlines():
-        if line.startswith("Requires-Dist: ") and "extra ==" not in line:
-            print(line.removeprefix("Requires-Dist: "))
+echo "setup-vllm034: vllm==$VERSION (the GPU wheel, its CPU-buildable part) into $VENV (~3.4 GB)"
+install "$VENV" "torch==2.13.0"
+# the wheel alone first; then its own requirements (its METADATA), less the GPU stack
+install "$VENV" --no-deps "vllm==$VERSION"
+"$VENV/bin/python" - > "$work/reqs_all.txt" <<'PY'
+from importlib.metadata import requires
+print("\n".join(r for r in requires("vllm") if "extra ==" not in r))
 PY
 grep -viE "^(torch|torchaudio|torchvision|torchcodec|PyNvVideoCodec|flashinfer-python|apache-tvm-ffi|tilelang|nvidia-|nvtx|fastsafetensors|instanttensor|quack-kernels|tokenspeed-mla|humming-kernels)\b" \
   "$work/reqs_all.txt" > "$work/reqs_lite.txt"
 echo "torch==2.13.0" > "$work/constraints.txt"
-"$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-"$VENV/bin/python" -m pip install --quiet -c "$work/constraints.txt" -r "$work/reqs_lite.txt"
-"$VENV/bin/python" -m pip install --quiet --no-deps "$wheel"
+install "$VENV" -c "$work/constraints.txt" -r "$work/reqs_lite.txt"
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "import vllm, torch; print(f'setup-vllm034: vllm {vllm.__version__}, torch {torch.__version__}')"
 echo "$want" > "$stamp"
