@@ -114,6 +114,45 @@ def test_training_loss_is_deepspec_written_out(draft_vocab_size):
     assert int(got.count[0]) == int(labels["valid"].sum())  # slot 0 of every valid block is supervised
 
 
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
+def test_loss_on_all_draws_anchors_and_slots_from_every_real_position(algorithm):
+    """A block draft's `loss_on: all`: its anchors, labels, step and gradients equal `loss_on:
+    assistant`'s given a loss mask that covers the whole sample (the same draws); on the sample as
+    written it supervises more slots than the assistant-only step, prompt positions among them.
+    DFlash with tv (it reads the target's distribution at each slot, as DSpark's DeepSpec does)."""
+    def block_draft(loss_on):
+        if algorithm == "dspark":
+            return tiny_draft(t, loss_on=loss_on).double()
+        torch.manual_seed(0)
+        return build("dflash", dflash.Config(num_hidden_layers=2, block_size=4, mask_token_id=t.vocab_size - 1,
+                                             loss="tv", loss_on=loss_on).fill_from_target(t.model.config, IDS),
+                     t).double()
+
+    module = {"dflash": dflash, "dspark": dspark}[algorithm]
+    t = make_target()
+    t.model.double()
+    batch = batch_of(t, [PROMPTS[1] + PROMPTS[0], PROMPTS[2]], mask_from=6)
+    every = {**batch, "loss_mask": batch["attention_mask"].clone()}
+    runs = []
+    for loss_on, b in (("all", batch), ("assistant", every), ("assistant", batch)):
+        d = block_draft(loss_on)
+        torch.manual_seed(3)
+        labels = module.target_labels(t, b, d)
+        m = module.training_step(d, b, labels)
+        m.loss.backward()
+        runs.append((labels, m, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}))
+    (l_all, m_all, g_all), (l_ref, m_ref, g_ref), (l_asst, m_asst, _) = runs
+    assert torch.equal(l_all["anchors"], l_ref["anchors"]) and torch.equal(l_all["valid"], l_ref["valid"])
+    assert torch.equal(m_all.count, m_ref.count)
+    torch.testing.assert_close(m_all.loss, m_ref.loss)
+    assert g_all.keys() == g_ref.keys() and g_all
+    for n in g_ref:
+        torch.testing.assert_close(g_all[n], g_ref[n], msg=n)
+    assert (l_all["anchors"][l_all["valid"]] < 5).any()  # anchors in the prompt (positions < 6)
+    assert not (l_asst["anchors"][l_asst["valid"]] < 6).any()  # anchors only where the answer is
+    assert m_all.count.sum() > m_asst.count.sum()
+
+
 def test_chunked_loss_rows_equal_one_pass():
     t = make_target()
     batch = batch_of(t, [PROMPTS[1] + PROMPTS[0], PROMPTS[2] + PROMPTS[1]])

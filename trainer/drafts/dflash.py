@@ -42,7 +42,15 @@ from torch import nn
 
 from trainer import losses
 from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
-from trainer.drafts.shape import TargetShape, check_objective, lk_eta_setting, loss_chunk_rows_setting, to_draft_ids
+from trainer.drafts.shape import (
+    TargetShape,
+    check_objective,
+    lk_eta_setting,
+    loss_chunk_rows_setting,
+    loss_on_setting,
+    supervised,
+    to_draft_ids,
+)
 from trainer.errors import ConfigError, DataError
 from trainer.losses import parse_objective
 from trainer.metrics import StepMetrics
@@ -72,8 +80,9 @@ class DFlashConfig(TargetShape):
     mask_token_id: int | None = setting(None, "the block's mask token; null: chosen at training, a token the "
                                               "training data never uses", ge=0)
     block_size: int = setting(16, "K: the anchor and K-1 predicted slots", ge=2)
-    num_anchors: int = setting(512, "random anchors per sequence inside assistant spans (every public recipe's "
-                                    "512; fewer on a CPU)", ge=1)
+    num_anchors: int = setting(512, "random anchors per sequence inside the trained positions (loss_on; "
+                                    "every public recipe's 512, in the answers; fewer on a CPU)", ge=1)
+    loss_on: str = loss_on_setting()
     gamma: float = setting(7.0, "slot k >= 1's loss weight is exp(-(k-1)/gamma), normalized by the weights (the "
                                 "DFlash recipe: 7 for a block of 16, 4 for 8)", gt=0)
     labels: str = setting("target", "what ce trains toward: target, the target's greedy token; data, the token in "
@@ -345,12 +354,13 @@ def training_step(draft: DFlashDraft, batch: dict, labels: dict) -> StepMetrics:
 
     Slot k of the block at anchor a predicts the token at a+k: the data token ids[a+k], or
     the target's greedy choice there, target_ids[a+k-1]. Loss: CE on slots k >= 1 weighted
-    exp(-(k-1)/gamma), supervision stopping at the first slot outside the assistant span,
+    exp(-(k-1)/gamma), supervision stopping at the first slot outside the trained positions (`loss_on`),
     normalized by the weights' sum.
     """
     cfg = draft.config
     h = block_states(draft, batch, labels["anchors"], labels["valid"])[:, :, 1:]  # [B, n, K-1, H]
-    at, live = slot_supervision(batch, labels["anchors"], labels["valid"], first=1, slots=cfg.block_size - 1)
+    at, live = slot_supervision(batch, labels["anchors"], labels["valid"], first=1, slots=cfg.block_size - 1,
+                                loss_on=cfg.loss_on)
     greedy = labels["target_ids"].gather(1, (at - 1).flatten(1)).view_as(at)  # what greedy verification accepts
     want = batch["input_ids"].gather(1, at.flatten(1)).view_as(at) if cfg.labels == "data" else greedy
 
@@ -394,13 +404,13 @@ def block_states(draft: DFlashDraft, batch: dict, anchors: torch.Tensor, valid: 
     return draft.blocks(block_ids, pos, ctx_kv, allowed).view(B, anchors.shape[1], K, -1)
 
 
-def slot_supervision(batch: dict, anchors: torch.Tensor, valid: torch.Tensor, first: int,
-                     slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_supervision(batch: dict, anchors: torch.Tensor, valid: torch.Tensor, first: int, slots: int,
+                     loss_on: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Where the supervised slots point and where supervision holds. Slot j (of `slots`) predicts
     the token at anchor + first + j. Returns at [B, n, slots] (clamped to T-1) and live [B, n,
-    slots]: that token is inside the sequence and the assistant span, and so are all before it
-    in the block."""
-    loss_mask, attn = batch["loss_mask"], batch["attention_mask"]
+    slots]: that token is inside the sequence and the trained positions (`loss_on`: the assistant
+    span, or the whole sample), and so are all before it in the block."""
+    loss_mask, attn = supervised(batch, loss_on), batch["attention_mask"]
     T = loss_mask.shape[1]
     raw = anchors[..., None] + first + torch.arange(slots, device=anchors.device)  # [B, n, slots]
     at = raw.clamp(max=T - 1)
@@ -451,7 +461,8 @@ def target_labels(target, batch: dict, draft: DFlashDraft) -> dict:
     """Random anchors (the global RNG: seeded, restored on resume) and the target's greedy
     token after every position (the capture's target_argmax, from the full logits once at
     capture): anchors, valid [B, n]; target_ids [B, T] (-1 at padding)."""
-    anchors, valid = sample_anchors(batch["loss_mask"], batch["attention_mask"], draft.config.num_anchors)
+    anchors, valid = sample_anchors(supervised(batch, draft.config.loss_on), batch["attention_mask"],
+                                    draft.config.num_anchors)
     labels = {"anchors": anchors, "valid": valid, "target_ids": batch["target_argmax"].long()}
     if draft.config.needs_target_p:  # slot k >= 1 predicts the token at a+k: the target's state at a+k-1
         labels.update(slot_distributions(target, batch, draft, anchors, valid, draft.config.block_size - 1))

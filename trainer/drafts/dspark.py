@@ -37,6 +37,7 @@ from torch import nn
 
 from trainer import losses
 from trainer.drafts import dflash
+from trainer.drafts.shape import supervised
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
 from trainer.settings import setting
@@ -176,13 +177,14 @@ def training_step(draft: DSparkDraft, batch: dict, labels: dict) -> StepMetrics:
     logits plus the Markov bias of x_{k-1} = the data token at a+k (teacher forcing; the
     anchor for k = 0). Per slot: ce_weight CE(want) + tv_weight |q - p|_1 + confidence_weight
     BCE(c_k, 1 - |q - p|_1 / 2) with the target detached, weighted exp(-k/gamma), supervision
-    stopping at the first slot outside the assistant span.
+    stopping at the first slot outside the trained positions (`loss_on`).
     """
     cfg = draft.config
     ids, anchors = batch["input_ids"], labels["anchors"]
     K = cfg.block_size
     h = dflash.block_states(draft.backbone, batch, anchors, labels["valid"])  # [B, n, K, H]
-    at, live = dflash.slot_supervision(batch, anchors, labels["valid"], first=1, slots=K)  # token at a+k+1
+    at, live = dflash.slot_supervision(batch, anchors, labels["valid"], first=1, slots=K,  # token at a+k+1
+                                       loss_on=cfg.loss_on)
     greedy = labels["target_ids"].gather(1, (at - 1).flatten(1)).view_as(at)
     prev = ids.gather(1, (at - 1).flatten(1)).view_as(at)  # x_{k-1}: the data token at a+k
     want = ids.gather(1, at.flatten(1)).view_as(at) if cfg.labels == "data" else greedy
@@ -230,7 +232,8 @@ def target_labels(target, batch: dict, draft: DSparkDraft, chunk: int = 512) -> 
     vocabulary, not renormalized), target_outside [U] (its mass outside), U <= min(B*T,
     B*n*K); target_ids [B, T] (the target's greedy token after each position: the capture's
     target_argmax, -1 at padding). Memory: U * Vd floats, plus chunk * V while computing."""
-    anchors, valid = dflash.sample_anchors(batch["loss_mask"], batch["attention_mask"], draft.config.num_anchors)
+    anchors, valid = dflash.sample_anchors(supervised(batch, draft.config.loss_on), batch["attention_mask"],
+                                           draft.config.num_anchors)
     return {"anchors": anchors, "valid": valid, "target_ids": batch["target_argmax"].long(),
             **dflash.slot_distributions(target, batch, draft, anchors, valid, draft.config.block_size, chunk)}
 

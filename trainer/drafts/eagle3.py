@@ -38,7 +38,15 @@ from torch import nn
 
 from trainer import losses
 from trainer.drafts.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
-from trainer.drafts.shape import TargetShape, check_objective, lk_eta_setting, loss_chunk_rows_setting, to_draft_ids
+from trainer.drafts.shape import (
+    TargetShape,
+    check_objective,
+    lk_eta_setting,
+    loss_chunk_rows_setting,
+    loss_on_setting,
+    supervised,
+    to_draft_ids,
+)
 from trainer.errors import ConfigError
 from trainer.metrics import StepMetrics
 from trainer.settings import setting
@@ -86,10 +94,7 @@ class Eagle3Config(TargetShape):
     train_lm_head: bool = setting(True, "the LM head over the draft vocabulary trained (the EAGLE-3 reference, from "
                                         "a random init), or false: frozen as a copy of the target's rows of those "
                                         "tokens (as speculators does)")
-    loss_on: str = setting("assistant", "the positions trained: `assistant`, where the next token is the answer's (the "
-                                        "reference's loss mask); `all`, every position of the sample (the target's "
-                                        "distribution is a label at the prompt's tokens too, at no extra capture)",
-                           choices=("assistant", "all"))
+    loss_on: str = loss_on_setting()
     ttt_steps: int = setting(7, "K, the training-time test's unrolled steps (EAGLE-3 paper §3.2; the reference's 7)",
                              ge=1)
     step_decay: float = setting(0.8, "step k's loss weight is step_decay^k (the reference's 0.8)", gt=0, le=1)
@@ -433,11 +438,6 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def supervised(batch: dict, cfg: Eagle3Config) -> torch.Tensor:
-    """[B, T] the tokens whose prediction is trained (`loss_on`): the assistant's, or every real one."""
-    return batch["loss_mask"] if cfg.loss_on == "assistant" else batch["attention_mask"]
-
-
 def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
     """The EAGLE-3 training-time test over K = `ttt_steps` unrolled steps.
 
@@ -451,7 +451,7 @@ def training_step(draft: Eagle3Draft, batch: dict, labels: dict) -> StepMetrics:
     distribution is the target's at position i+1+k. Positions (RoPE) are i+k.
     """
     cfg = draft.config
-    ids, loss_mask, attn = batch["input_ids"], supervised(batch, cfg), batch["attention_mask"]
+    ids, loss_mask, attn = batch["input_ids"], supervised(batch, cfg.loss_on), batch["attention_mask"]
     p, in_vocab = labels["p"], labels["in_vocab"]
     B, T = ids.shape
     hidden = draft.fuse(batch["aux_hidden_states"])  # [B, T, H]
@@ -507,7 +507,7 @@ def target_labels(target, batch: dict, draft: Eagle3Draft, chunk: int = 1024) ->
     last = batch["last_hidden_state"]
     B, T, _ = last.shape
     # training_step reads p[j] only where token j+1 is trained (`loss_on`): the rest stays 0
-    need = shift_left(supervised(batch, draft.config), 1).bool()  # [B, T]
+    need = shift_left(supervised(batch, draft.config.loss_on), 1).bool()  # [B, T]
     p = torch.zeros(B, T, draft_ids.numel(), dtype=torch.float32, device=last.device)
     if need.any():  # the target's head rows of the draft vocabulary, and its family's logit transform
         p[need] = torch.cat([target.head_logits(target.final_norm(h.to(target.dtype)), draft_ids).float().softmax(-1)

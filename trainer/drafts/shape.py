@@ -55,6 +55,20 @@ def loss_chunk_rows_setting():
                          "slots of fp32 logits are 4.7 GB unchunked); 0: one pass", ge=0)
 
 
+def loss_on_setting():
+    """`draft.loss_on`, declared once for every algorithm's Config (the field keeps its place in each)."""
+    return setting("assistant", "the positions trained: `assistant`, where the token predicted is the answer's (the "
+                                "reference's loss mask; a block draft's anchors and slots inside the answers); `all`, "
+                                "every real position of the sample (the target's distribution is a label at the "
+                                "prompt's tokens too, at no extra capture)", choices=("assistant", "all"))
+
+
+def supervised(batch: dict, loss_on: str) -> torch.Tensor:
+    """[B, T] the tokens whose prediction may be trained (`draft.loss_on`): the assistant's (the
+    batch's loss_mask), or every real one (its attention_mask)."""
+    return batch["loss_mask"] if loss_on == "assistant" else batch["attention_mask"]
+
+
 def to_draft_ids(draft, target_ids: torch.Tensor) -> torch.Tensor:
     """Target ids -> draft-vocabulary ids, -1 where the reduced vocabulary lacks the token
     (no loss there: it cannot be predicted); unchanged with the target's full head."""
