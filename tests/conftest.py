@@ -29,8 +29,8 @@ if _WORKER:
 # last long file. Seconds of one run on 2 cores (`make test ARGS=--durations=0`, summed per file);
 # files not listed follow in their own order. Only the order: no test depends on it.
 LONGEST_FIRST = ["test_vllm.py", "test_gemma3.py", "test_vllm_online.py", "test_target_families.py",
-                 "test_vllm_data.py", "test_e2e_smollm2.py", "test_online_cluster.py", "test_train.py",
-                 "test_capture.py", "test_layout.py",
+                 "test_vllm_data.py", "test_sliding_window.py", "test_e2e_smollm2.py", "test_online_cluster.py",
+                 "test_train.py", "test_capture.py", "test_layout.py",
                  "test_dflash.py", "test_online.py", "test_nothing_lost.py", "test_eval.py", "test_bad_input.py",
                  "test_speculative.py"]
 
