@@ -51,7 +51,10 @@ install() {
       *) args+=("$arg") ;;
     esac
   done
-  (_pip_config_for_uv "$venv" && "$uv" pip install --quiet --python "$venv/bin/python" "${args[@]}")
+  # --compile-bytecode: as pip does. Without it every process compiles what it imports, each time,
+  # where PYTHONDONTWRITEBYTECODE is set (it is on CI's machine): the suite took 1,972 s against 1,416.
+  (_pip_config_for_uv "$venv" &&
+    "$uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" "${args[@]}")
 }
 
 uninstall() {  # uninstall VENV PACKAGE...: those installed are removed, the others ignored
