@@ -62,8 +62,8 @@ def test_pips_flags_reach_uv_in_its_spelling(tmp_path):
     subprocess.run(["bash", "-c", f'. scripts/_install.sh && install "{tmp_path / "venv"}" --no-deps '
                                   "--force-reinstall ./x -c c.txt"], cwd=REPO, env=env, check=True)
     assert (tmp_path / "args").read_text().split() == [
-        "pip", "install", "--quiet", "--compile-bytecode", "--python", f"{tmp_path}/venv/bin/python", "--no-deps", "--reinstall", "./x",
-        "-c", "c.txt"]
+        "pip", "install", "--quiet", "--compile-bytecode", "--python", f"{tmp_path}/venv/bin/python", "--no-deps",
+        "--reinstall", "./x", "-c", "c.txt"]
     env["DRAFTSMITH_INSTALLER"] = "pip"  # pip always: the stand-in is not called
     (tmp_path / "args").unlink()
     r = subprocess.run(["bash", "-c", f'. scripts/_install.sh && _uv_for "{tmp_path / "venv"}"'], cwd=REPO, env=env)
