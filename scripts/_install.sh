@@ -1,4 +1,4 @@
-# Sourced by the setup scripts: `install VENV ARGS...` installs packages into the virtual environment
+# Sourced by the setup scripts: `venv_install VENV ARGS...` installs packages into the virtual environment
 # VENV with uv, or with pip where uv cannot be had (DRAFTSMITH_INSTALLER=pip: pip always).
 #
 # Why uv: it resolves as pip does and downloads and unpacks in parallel. vLLM's CPU build and its ~150
@@ -37,7 +37,7 @@ _pip_config_for_uv() {  # pip's settings (`pip config list`) as uv's environment
   done < <("$venv/bin/python" -m pip config list 2> /dev/null)
 }
 
-install() {
+venv_install() {
   local venv=$1 uv arg
   shift
   if ! uv=$(_uv_for "$venv"); then
@@ -57,7 +57,7 @@ install() {
     "$uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" "${args[@]}")
 }
 
-uninstall() {  # uninstall VENV PACKAGE...: those installed are removed, the others ignored
+venv_uninstall() {  # venv_uninstall VENV PACKAGE...: those installed are removed, the others ignored
   local venv=$1 uv
   shift
   if uv=$(_uv_for "$venv"); then

@@ -30,14 +30,14 @@ if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "setup: keeping torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already in $VENV"
 else
   echo "setup: installing the CPU build torch==2.13.0"
-  install "$VENV" "torch==2.13.0"
+  venv_install "$VENV" "torch==2.13.0"
 fi
 echo "setup: installing draftsmith and its dependencies"
-install "$VENV" -e ".[dev]"
+venv_install "$VENV" -e ".[dev]"
 # DeepSpeed ships as an sdist whose build imports torch: build it against the torch
 # in .venv (an isolated build env would fetch another torch). Ops compile on first use.
 echo "setup: installing deepspeed (no build isolation, ops built lazily)"
-DS_BUILD_OPS=0 install "$VENV" --no-build-isolation "deepspeed==0.19.8"
+DS_BUILD_OPS=0 venv_install "$VENV" --no-build-isolation "deepspeed==0.19.8"
 echo "setup: installing asset packages (--no-deps)"
-install "$VENV" --no-deps $ASSETS
+venv_install "$VENV" --no-deps $ASSETS
 echo "$want" > "$stamp"

@@ -26,9 +26,9 @@ fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 . scripts/_install.sh
 echo "setup-vllm: installing torch==2.13.0 (CPU) and $VLLM into $VENV (~3.5 GB)"
-install "$VENV" "torch==2.13.0"
-install "$VENV" "$VLLM" "$RAY"
-uninstall "$VENV" torchvision torchaudio torchcodec
-install "$VENV" --no-deps --force-reinstall "./$PLUGIN"
+venv_install "$VENV" "torch==2.13.0"
+venv_install "$VENV" "$VLLM" "$RAY"
+venv_uninstall "$VENV" torchvision torchaudio torchcodec
+venv_install "$VENV" --no-deps --force-reinstall "./$PLUGIN"
 "$VENV/bin/python" -c "import vllm, torch; print(f'setup-vllm: vllm {vllm.__version__}, torch {torch.__version__}')"
 echo "$want" > "$stamp"

@@ -26,9 +26,9 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 echo "setup-vllm034: vllm==$VERSION (the GPU wheel, its CPU-buildable part) into $VENV (~3.4 GB)"
-install "$VENV" "torch==2.13.0"
+venv_install "$VENV" "torch==2.13.0"
 # the wheel alone first; then its own requirements (its METADATA), less the GPU stack
-install "$VENV" --no-deps "vllm==$VERSION"
+venv_install "$VENV" --no-deps "vllm==$VERSION"
 "$VENV/bin/python" - > "$work/reqs_all.txt" <<'PY'
 from importlib.metadata import requires
 print("\n".join(r for r in requires("vllm") if "extra ==" not in r))
@@ -36,6 +36,6 @@ PY
 grep -viE "^(torch|torchaudio|torchvision|torchcodec|PyNvVideoCodec|flashinfer-python|apache-tvm-ffi|tilelang|nvidia-|nvtx|fastsafetensors|instanttensor|quack-kernels|tokenspeed-mla|humming-kernels)\b" \
   "$work/reqs_all.txt" > "$work/reqs_lite.txt"
 echo "torch==2.13.0" > "$work/constraints.txt"
-install "$VENV" -c "$work/constraints.txt" -r "$work/reqs_lite.txt"
+venv_install "$VENV" -c "$work/constraints.txt" -r "$work/reqs_lite.txt"
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "import vllm, torch; print(f'setup-vllm034: vllm {vllm.__version__}, torch {torch.__version__}')"
 echo "$want" > "$stamp"

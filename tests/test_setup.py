@@ -59,7 +59,7 @@ def test_pips_flags_reach_uv_in_its_spelling(tmp_path):
     venv.mkdir(parents=True)
     (venv / "python").symlink_to(sys.executable)
     env = {"PATH": f"{bin_}:{os.environ['PATH']}", "HOME": str(tmp_path), "PIP_CONFIG_FILE": os.devnull}
-    subprocess.run(["bash", "-c", f'. scripts/_install.sh && install "{tmp_path / "venv"}" --no-deps '
+    subprocess.run(["bash", "-c", f'. scripts/_install.sh && venv_install "{tmp_path / "venv"}" --no-deps '
                                   "--force-reinstall ./x -c c.txt"], cwd=REPO, env=env, check=True)
     assert (tmp_path / "args").read_text().split() == [
         "pip", "install", "--quiet", "--compile-bytecode", "--python", f"{tmp_path}/venv/bin/python", "--no-deps",
