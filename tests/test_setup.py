@@ -49,8 +49,9 @@ def test_nothing_configured_leaves_uv_on_its_defaults(tmp_path):
 
 
 def test_pips_flags_reach_uv_in_its_spelling(tmp_path):
-    """`install` hands uv pip's arguments, --force-reinstall spelled --reinstall (a uv on PATH that
-    records its arguments stands in: installing is what the setup from nothing in CI proves)."""
+    """`venv_install` hands uv pip's arguments, --force-reinstall spelled --reinstall, and compiles
+    bytecode at install only where PYTHONDONTWRITEBYTECODE is set (a uv on PATH that records its
+    arguments stands in: installing is what the setup from nothing in CI proves)."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "uv").write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "args"}\n')
@@ -59,11 +60,13 @@ def test_pips_flags_reach_uv_in_its_spelling(tmp_path):
     venv.mkdir(parents=True)
     (venv / "python").symlink_to(sys.executable)
     env = {"PATH": f"{bin_}:{os.environ['PATH']}", "HOME": str(tmp_path), "PIP_CONFIG_FILE": os.devnull}
-    subprocess.run(["bash", "-c", f'. scripts/_install.sh && venv_install "{tmp_path / "venv"}" --no-deps '
-                                  "--force-reinstall ./x -c c.txt"], cwd=REPO, env=env, check=True)
-    assert (tmp_path / "args").read_text().split() == [
-        "pip", "install", "--quiet", "--compile-bytecode", "--python", f"{tmp_path}/venv/bin/python", "--no-deps",
-        "--reinstall", "./x", "-c", "c.txt"]
+    for no_bytecode, compile in (("1", ["--compile-bytecode"]), ("", [])):  # compiled where none is written
+        subprocess.run(["bash", "-c", f'. scripts/_install.sh && venv_install "{tmp_path / "venv"}" --no-deps '
+                                      "--force-reinstall ./x -c c.txt"], cwd=REPO,
+                       env={**env, "PYTHONDONTWRITEBYTECODE": no_bytecode}, check=True)
+        assert (tmp_path / "args").read_text().split() == [
+            "pip", "install", "--quiet", *compile, "--python", f"{tmp_path}/venv/bin/python", "--no-deps",
+            "--reinstall", "./x", "-c", "c.txt"]
     env["DRAFTSMITH_INSTALLER"] = "pip"  # pip always: the stand-in is not called
     (tmp_path / "args").unlink()
     r = subprocess.run(["bash", "-c", f'. scripts/_install.sh && _uv_for "{tmp_path / "venv"}"'], cwd=REPO, env=env)
