@@ -365,14 +365,11 @@ def windowed(tmp_path_factory, smollm2):
 
 
 def _in_tree(smollm2, prompts, draft):
-    from trainer.speculative import DecodeStats, generate
+    """(outputs, stats) of the in-tree decoder, all prompts in one batch as tests/test_vllm.py decodes
+    them (each row's rounds counted as vLLM counts its request's): the window applies per row."""
+    from trainer.speculative import generate
 
-    outputs, stats = [], DecodeStats(N)
-    for prompt in prompts:  # one at a time, as vLLM's counts are compared in tests/test_vllm.py
-        out, s = generate(smollm2, [prompt], MAX_NEW, draft, N, eos_token_ids=smollm2.eos_token_ids)
-        outputs += out
-        stats.merge(s)
-    return outputs, stats
+    return generate(smollm2, prompts, MAX_NEW, draft, N, eos_token_ids=smollm2.eos_token_ids)
 
 
 @pytest.mark.slow
